@@ -1,0 +1,1 @@
+"""Sub-commands of the ``metapatch`` CLI, one module each (see metapatch.cli)."""

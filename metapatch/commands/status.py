@@ -1,0 +1,58 @@
+"""metapatch status"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+HELP = "show every patch: state, reason, installed versions, affected range, upstream link"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument("--import-targets", action="store_true",
+                        help="import each patch's target modules first, so states are final rather than pending-import")
+
+
+def run(args: argparse.Namespace) -> int:
+    import importlib
+
+    import metapatch
+    from metapatch._registry import strict_mode
+
+    if args.import_targets:
+        for row in metapatch.status():
+            if row["state"] != "pending-import":
+                continue
+            for target in row["targets"]:
+                try:
+                    importlib.import_module(target.split(":")[0])
+                except ImportError:
+                    pass  # reported through the row's state: the distribution is missing
+    rows = metapatch.status()
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print(format_table(rows))
+    bad = [r["id"] for r in rows if r["state"] in ("stale", "failed")]
+    return 1 if bad and strict_mode() else 0
+
+
+def format_table(rows: list) -> str:
+    if not rows:
+        return "no patches registered"
+    out = []
+    for row in rows:
+        versions = ", ".join(f"{d} {v or 'not installed'}" for d, v in row["installed"].items())
+        affects = ", ".join(f"{d}{s}" for d, s in row["affects"].items())
+        out.append(f"{row['id']}: {row['state']}")
+        out.append(f"    {row['title']}")
+        out.append(f"    reason:    {row['reason']}")
+        out.append(f"    installed: {versions}")
+        out.append(f"    affects:   {affects}")
+        if row["fixed_in"]:
+            out.append("    fixed in:  " + ", ".join(f"{d} {v}" for d, v in row["fixed_in"].items()))
+        out.append(f"    upstream:  {row['upstream'] or '(not filed yet)'} [forwarded: {row['forwarded']}]")
+        for note in row["notes"]:
+            out.append(f"    note:      {note}")
+    return "\n".join(out)

@@ -1,0 +1,31 @@
+"""Child process entry: ``python -m metapatch.selftest._child module:function WORKDIR RESULT``."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+import traceback
+from pathlib import Path
+
+
+def main(function: str, workdir: str, result_file: str) -> int:
+    import metapatch  # noqa: F401 - inert under METAPATCH_DISABLE=all, active otherwise
+
+    module_name, _, name = function.partition(":")
+    result = {"passed": False, "metrics": {}}
+    try:
+        func = getattr(importlib.import_module(module_name), name)
+        result["metrics"] = func(Path(workdir)) or {}
+        result["passed"] = True
+    except BaseException as exc:  # the outcome is the data: report every kind of failure
+        result["error_type"] = type(exc).__name__
+        result["error"] = str(exc)[:2000]
+        result["traceback"] = "".join(traceback.format_exception(exc))[-6000:]
+    result["metapatch_status"] = {row["id"]: row["state"] for row in metapatch.status()}
+    Path(result_file).write_text(json.dumps(result, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:4]))

@@ -1,0 +1,29 @@
+import os
+
+import pytest
+
+
+def cuda_devices() -> int:
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def pytest_collection_modifyitems(config, items):
+    have = cuda_devices()
+    for item in items:
+        marker = item.get_closest_marker("gpu")
+        if marker is not None:
+            need = marker.kwargs.get("count", marker.args[0] if marker.args else 1)
+            if have < need:
+                item.add_marker(pytest.mark.skip(reason=f"needs {need} CUDA device(s), found {have}"))
+
+
+@pytest.fixture(autouse=True)
+def _no_inherited_metapatch_env(monkeypatch):
+    # A developer's shell setting must not change what the tests prove.
+    for name in ("METAPATCH_DISABLE", "METAPATCH_STRICT"):
+        if name in os.environ and not os.environ.get("METAPATCH_KEEP_ENV"):
+            monkeypatch.delenv(name)
