@@ -7,8 +7,10 @@ Everything here is import-cheap: no torch, no Hugging Face package, no packaging
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Tuple
+
+# Plain classes rather than dataclasses: `import dataclasses` (and the inspect it pulls in) would
+# double the cost of `import metapatch`, which runs at the top of every user script.
 
 
 class State(str, enum.Enum):
@@ -32,7 +34,6 @@ class MetapatchError(RuntimeError):
     is that the user's request cannot be honoured safely (the message says what to do)."""
 
 
-@dataclass(frozen=True)
 class Target:
     """One object a patch replaces.
 
@@ -46,32 +47,40 @@ class Target:
     with it.
     """
 
-    module: str
-    qualname: str
-    fingerprints: Tuple[str, ...]
-    wrapper: Optional[Callable[..., Any]] = None
-    replacement: Optional[Callable[[Any], Any]] = None
-    aliases: Tuple[str, ...] = ()
+    __slots__ = ("module", "qualname", "fingerprints", "wrapper", "replacement", "aliases")
 
-    def __post_init__(self) -> None:
-        if (self.wrapper is None) == (self.replacement is None):
-            raise ValueError(f"{self.module}:{self.qualname}: give exactly one of wrapper= or replacement=")
-        if isinstance(self.fingerprints, str):
-            object.__setattr__(self, "fingerprints", (self.fingerprints,))
+    def __init__(self, module: str, qualname: str, fingerprints: Tuple[str, ...], *,
+                 wrapper: Optional[Callable[..., Any]] = None,
+                 replacement: Optional[Callable[[Any], Any]] = None,
+                 aliases: Tuple[str, ...] = ()) -> None:
+        if (wrapper is None) == (replacement is None):
+            raise ValueError(f"{module}:{qualname}: give exactly one of wrapper= or replacement=")
+        self.module = module
+        self.qualname = qualname
+        self.fingerprints = (fingerprints,) if isinstance(fingerprints, str) else tuple(fingerprints)
+        self.wrapper = wrapper
+        self.replacement = replacement
+        self.aliases = tuple(aliases)
+
+    def __repr__(self) -> str:
+        return f"Target({self.dotted!r})"
 
     @property
     def dotted(self) -> str:
         return f"{self.module}:{self.qualname}"
 
 
-@dataclass(frozen=True)
 class Upstream:
     """Where the real fix lives. ``forwarded`` follows DEP-3: "no", "not-needed" or a URL."""
 
-    bug: Tuple[str, ...] = ()
-    forwarded: str = "no"
-    fixed_in: Mapping[str, str] = field(default_factory=dict)
-    note: str = ""
+    __slots__ = ("bug", "forwarded", "fixed_in", "note")
+
+    def __init__(self, bug: Tuple[str, ...] = (), forwarded: str = "no",
+                 fixed_in: Optional[Mapping[str, str]] = None, note: str = "") -> None:
+        self.bug = (bug,) if isinstance(bug, str) else tuple(bug)
+        self.forwarded = forwarded
+        self.fixed_in = dict(fixed_in or {})
+        self.note = note
 
     @property
     def link(self) -> str:
@@ -80,7 +89,6 @@ class Upstream:
         return self.bug[0] if self.bug else ""
 
 
-@dataclass(frozen=True)
 class Patch:
     """One version-gated fix.
 
@@ -90,13 +98,23 @@ class Patch:
     fingerprints notice when upstream changes the code instead.
     """
 
-    id: str
-    title: str
-    affects: Mapping[str, str]
-    targets: Tuple[Target, ...]
-    upstream: Upstream = Upstream()
-    diffs: Tuple[str, ...] = ()
-    selftest: Optional[str] = None
+    __slots__ = ("id", "title", "affects", "targets", "upstream", "diffs", "selftest")
+
+    def __init__(self, id: str, title: str, affects: Mapping[str, str], targets: Tuple[Target, ...], *,  # noqa: A002
+                 upstream: Optional[Upstream] = None, diffs: Tuple[str, ...] = (),
+                 selftest: Optional[str] = None) -> None:
+        if not targets:
+            raise ValueError(f"patch {id!r} has no targets")
+        self.id = id
+        self.title = title
+        self.affects = dict(affects)
+        self.targets = tuple(targets)
+        self.upstream = upstream or Upstream()
+        self.diffs = tuple(diffs)
+        self.selftest = selftest
+
+    def __repr__(self) -> str:
+        return f"Patch({self.id!r})"
 
     @property
     def modules(self) -> Tuple[str, ...]:

@@ -16,23 +16,22 @@ This module knows nothing about any particular patch. It is handed :class:`Patch
 
 from __future__ import annotations
 
-import ast
-import hashlib
-import importlib
-import importlib.metadata
-import inspect
-import logging
 import os
 import sys
-import textwrap
 import threading
 import warnings
-from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from ._records import MetapatchError, MetapatchWarning, Patch, State, Target
 
-logger = logging.getLogger("metapatch")
+# ast, inspect, hashlib, logging and importlib.metadata are imported where used: `import metapatch`
+# runs at the top of user scripts and must cost next to nothing.
+
+
+def _logger() -> Any:
+    import logging
+
+    return logging.getLogger("metapatch")
 
 # The attribute that marks an installed object: (patch id, target dotted path, original object).
 # The "_self_" prefix keeps wrapt proxies from forwarding the attribute to the wrapped function.
@@ -70,23 +69,21 @@ def _source_object(obj: Any) -> Any:
     return obj
 
 
-class _DocstringStripper(ast.NodeTransformer):
-    def _strip(self, node: Any) -> Any:
-        self.generic_visit(node)
-        body = node.body
-        if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant) \
-                and isinstance(body[0].value.value, str):
-            node.body = body[1:] or [ast.Pass()]
-        return node
-
-    visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = _strip
-
-
 def fingerprint(obj: Any) -> str:
     """A short hash of an object's source code that ignores formatting, comments and docstrings,
     so upstream reformatting does not make a patch stale but any change to the logic does."""
-    source = textwrap.dedent(inspect.getsource(_source_object(obj)))
-    tree = _DocstringStripper().visit(ast.parse(source))
+    import ast
+    import hashlib
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(_source_object(obj))))
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and body \
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+                and isinstance(body[0].value.value, str):
+            node.body = body[1:] or [ast.Pass()]
     canonical = ast.dump(tree, annotate_fields=False, include_attributes=False)
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:16]
 
@@ -112,12 +109,11 @@ def resolve(module: Any, qualname: str) -> Tuple[Any, str, Any]:
 # Runtime records
 
 
-@dataclass
 class _Site:
-    parent: Any
-    attr: str
-    original: Any
-    installed: Any
+    __slots__ = ("parent", "attr", "original", "installed")
+
+    def __init__(self, parent: Any, attr: str, original: Any, installed: Any) -> None:
+        self.parent, self.attr, self.original, self.installed = parent, attr, original, installed
 
     def holds_installed(self) -> bool:
         current = vars(self.parent).get(self.attr) if isinstance(self.parent, type) \
@@ -125,13 +121,15 @@ class _Site:
         return current is self.installed
 
 
-@dataclass
 class _Status:
-    state: State
-    reason: str
-    sites: Dict[str, _Site] = field(default_factory=dict)  # target.dotted -> site
-    notes: List[str] = field(default_factory=list)
-    gate: Optional[Tuple[bool, str, Dict[str, Optional[str]]]] = None
+    __slots__ = ("state", "reason", "sites", "notes", "gate")
+
+    def __init__(self, state: State, reason: str, sites: Optional[Dict[str, _Site]] = None) -> None:
+        self.state = state
+        self.reason = reason
+        self.sites: Dict[str, _Site] = dict(sites or {})  # target.dotted -> site
+        self.notes: List[str] = []
+        self.gate: Optional[Tuple[bool, str, Dict[str, Optional[str]]]] = None  # (affected, why, versions)
 
 
 class _NotApplicable(Exception):
@@ -154,6 +152,8 @@ class Registry:
     # -- gating --------------------------------------------------------------------------------
 
     def _version(self, dist: str) -> Optional[str]:
+        import importlib.metadata
+
         if dist not in self._versions:
             try:
                 self._versions[dist] = importlib.metadata.version(dist)
@@ -227,7 +227,9 @@ class Registry:
 
     def _hook(self, module_name: str) -> None:
         with self._lock:
-            if module_name in self._hooked:
+            # An already-imported module is patched by install() itself, which also looks for
+            # modules that captured the original by name; wrapt would fire the hook at once.
+            if module_name in self._hooked or module_name in sys.modules:
                 return
             self._hooked.add(module_name)
         import wrapt  # noqa: deferred so that reading records never needs it
@@ -245,7 +247,7 @@ class Registry:
                 except MetapatchError:
                     raise
                 except Exception as exc:  # pragma: no cover - _apply already guards; belt and braces
-                    logger.exception("metapatch: unexpected error while applying %s: %s", patch.id, exc)
+                    _logger().exception("metapatch: unexpected error while applying %s: %s", patch.id, exc)
 
     def _apply(self, patch: Patch, module: Any, late: bool = False) -> None:
         with self._lock:
@@ -326,7 +328,7 @@ class Registry:
             note = (f"{target.dotted} was imported by name before metapatch into {', '.join(holders)}; "
                     "calls through those names bypass the patch (import metapatch first)")
             status.notes.append(note)
-            logger.warning("metapatch: %s", note)
+            _logger().warning("metapatch: %s", note)
 
     # -- problems ------------------------------------------------------------------------------
 
@@ -343,7 +345,7 @@ class Registry:
             if key in self._warned:
                 return
             self._warned.add(key)
-        logger.warning(message)
+        _logger().warning(message)
         warnings.warn(message, MetapatchWarning, stacklevel=3)
 
     # -- unpatch -------------------------------------------------------------------------------
@@ -423,14 +425,14 @@ def _namespace(module: Any) -> Dict[str, Any]:
 
 def load_patches(package: str = "metapatch.patches") -> List[Patch]:
     """Every ``PATCH`` record in the modules of ``package``, in file-name order."""
-    import pkgutil
+    import importlib
 
     pkg = importlib.import_module(package)
+    names = sorted({entry[:-3] for folder in pkg.__path__ for entry in os.listdir(folder)
+                    if entry.endswith(".py") and not entry.startswith("_")})
     records = []
-    for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda i: i.name):
-        if info.name.startswith("_"):
-            continue
-        module = importlib.import_module(f"{package}.{info.name}")
+    for name in names:
+        module = importlib.import_module(f"{package}.{name}")
         patch = getattr(module, "PATCH", None)
         if isinstance(patch, Patch):
             records.append(patch)

@@ -1,0 +1,467 @@
+"""The patch framework on small synthetic targets: every import ordering, gating, staleness,
+failures, disabling, threads, reloads and unpatch identity.
+
+Each test writes a fake library (``fakelib``, with installed-distribution metadata) and a package
+of patch records for it (``fakepatches``), then runs a script in a fresh interpreter so import
+order is real. The script prints one JSON object as its last line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+FAKELIB_CORE = '''
+def compute(x):
+    return x * 10
+
+
+class Thing:
+    def method(self, x):
+        return x + 1
+
+    @staticmethod
+    def helper(x):
+        return x - 1
+'''
+
+PATCHES = {
+    # Wraps a function and re-export site; adds 1 so a double wrap would show as +2.
+    "p_compute": '''
+from metapatch import Patch, Target, Upstream
+from fakepatches import FP
+
+def _plus_one(wrapped, instance, args, kwargs):
+    return wrapped(*args, **kwargs) + 1
+
+PATCH = Patch(
+    id="fake-compute", title="compute is off by one",
+    affects={"fakelib": AFFECTS},
+    targets=(Target("fakelib.core", "compute", FP["fakelib.core:compute"], wrapper=_plus_one,
+                    aliases=("fakelib:compute",)),),
+    upstream=Upstream(bug=("https://example.invalid/fakelib/issues/1",), fixed_in={"fakelib": "2.0"}),
+)
+''',
+    # Plain replacement of a method and a staticmethod (the hot-path style).
+    "p_thing": '''
+from metapatch import Patch, Target
+from fakepatches import FP
+
+def _method(original):
+    def method(self, x):
+        return original(self, x) * 100
+    return method
+
+def _helper(original):
+    return staticmethod(lambda x: original.__func__(x) * 1000)
+
+PATCH = Patch(
+    id="fake-thing", title="Thing needs scaling",
+    affects={"fakelib": ">=1.0"},
+    targets=(Target("fakelib.core", "Thing.method", FP["fakelib.core:Thing.method"], replacement=_method),
+             Target("fakelib.core", "Thing.helper", FP["fakelib.core:Thing.helper"], replacement=_helper)),
+)
+''',
+}
+
+
+def _write(root: Path, rel: str, text: str) -> None:
+    path = root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(text))
+
+
+@pytest.fixture
+def world(tmp_path):
+    """A fake installed library plus fake patches; returns a runner for scripts."""
+
+    def build(version="1.2.0", affects=">=1.0,<2.0", core=FAKELIB_CORE, patches=None, fingerprints=None):
+        _write(tmp_path, "fakelib/__init__.py", "from .core import compute\n")
+        _write(tmp_path, "fakelib/core.py", core)
+        _write(tmp_path, "consumer.py", "from fakelib.core import compute\n")
+        _write(tmp_path, f"fakelib-{version}.dist-info/METADATA",
+               f"Metadata-Version: 2.1\nName: fakelib\nVersion: {version}\n")
+        if fingerprints is None:
+            out = subprocess.run([sys.executable, "-m", "metapatch", "fingerprint", "fakelib.core:compute",
+                                  "fakelib.core:Thing.method", "fakelib.core:Thing.helper"],
+                                 env=_env(tmp_path), capture_output=True, text=True, check=True).stdout
+            fingerprints = dict(line.split() for line in out.splitlines())
+        _write(tmp_path, "fakepatches/__init__.py", f"FP = {fingerprints!r}\n")
+        for name, text in (patches or PATCHES).items():
+            _write(tmp_path, f"fakepatches/{name}.py", text.replace("AFFECTS", repr(affects)))
+        return run
+
+    def run(script: str, env=None):
+        prelude = textwrap.dedent('''
+            import json, sys, warnings, logging
+            warnings.simplefilter("always")
+            from metapatch._registry import Registry, load_patches, MARKER
+            from metapatch import MetapatchWarning, MetapatchError
+            def states(reg):
+                return {r["id"]: r["state"] for r in reg.status()}
+            def rows(reg):
+                return {r["id"]: r for r in reg.status()}
+        ''')
+        proc = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(script)], env=_env(tmp_path, env),
+                              capture_output=True, text=True, cwd=tmp_path)
+        if proc.returncode != 0:
+            raise AssertionError(f"script failed:\n{proc.stdout}\n{proc.stderr}")
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    return build
+
+
+def _env(root: Path, extra=None):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("METAPATCH_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(REPO)])
+    env.update(extra or {})
+    return env
+
+
+def test_metapatch_first_then_target(world):
+    out = world()('''
+        reg = Registry(load_patches("fakepatches")); reg.install()
+        before = states(reg)
+        import fakelib.core, fakelib
+        print(json.dumps({"before": before, "after": states(reg), "compute": fakelib.core.compute(2),
+                          "reexport": fakelib.compute(2), "method": fakelib.core.Thing().method(1),
+                          "helper": fakelib.core.Thing.helper(3)}))
+    ''')
+    assert out["before"] == {"fake-compute": "pending-import", "fake-thing": "pending-import"}
+    assert out["after"] == {"fake-compute": "applied", "fake-thing": "applied"}
+    assert (out["compute"], out["reexport"], out["method"], out["helper"]) == (21, 21, 200, 2000)
+
+
+def test_target_first_then_metapatch_covers_declared_reexport(world):
+    out = world()('''
+        import fakelib, fakelib.core
+        original = fakelib.core.compute
+        reg = Registry(load_patches("fakepatches")); reg.install()
+        print(json.dumps({"states": states(reg), "compute": fakelib.core.compute(2), "reexport": fakelib.compute(2),
+                          "same_wrapper": fakelib.compute is fakelib.core.compute,
+                          "wraps_original": fakelib.core.compute.__wrapped__ is original}))
+    ''')
+    assert out["states"] == {"fake-compute": "applied", "fake-thing": "applied"}
+    assert out["compute"] == out["reexport"] == 21
+    assert out["same_wrapper"] and out["wraps_original"]
+
+
+def test_capture_by_name_before_metapatch_is_reported(world):
+    out = world()('''
+        import consumer
+        reg = Registry(load_patches("fakepatches")); reg.install()
+        print(json.dumps({"notes": rows(reg)["fake-compute"]["notes"], "consumer": consumer.compute(2)}))
+    ''')
+    assert out["consumer"] == 20  # not rewritten behind the user's back ...
+    assert any("consumer" in note and "bypass" in note for note in out["notes"])  # ... but said
+
+
+def test_target_never_imported_is_pending(world):
+    out = world()('''
+        reg = Registry(load_patches("fakepatches")); reg.install()
+        r = rows(reg)["fake-compute"]
+        print(json.dumps({"state": r["state"], "reason": r["reason"], "imported": "fakelib.core" in sys.modules,
+                          "installed": r["installed"], "affects": r["affects"], "upstream": r["upstream"],
+                          "fixed_in": r["fixed_in"]}))
+    ''')
+    assert out["state"] == "pending-import" and "fakelib.core" in out["reason"]
+    assert out["imported"] is False
+    assert out["installed"] == {"fakelib": "1.2.0"} and out["affects"] == {"fakelib": ">=1.0,<2.0"}
+    assert out["upstream"].startswith("https://") and out["fixed_in"] == {"fakelib": "2.0"}
+
+
+def test_unpatch_restores_exact_objects_everywhere_then_reimport(world):
+    out = world()('''
+        import fakelib, fakelib.core
+        orig = (fakelib.core.compute, fakelib.core.Thing.__dict__["method"], fakelib.core.Thing.__dict__["helper"])
+        reg = Registry(load_patches("fakepatches")); reg.install()
+        import consumer  # captures the wrapper by name after patching
+        patched = consumer.compute(2)
+        reg.unpatch()
+        now = (fakelib.core.compute, fakelib.core.Thing.__dict__["method"], fakelib.core.Thing.__dict__["helper"])
+        identical = [a is b for a, b in zip(orig, now)] + [fakelib.compute is orig[0], consumer.compute is orig[0]]
+        after_unpatch = states(reg)
+        for name in [m for m in sys.modules if m == "fakelib" or m.startswith("fakelib.")]:
+            del sys.modules[name]
+        import fakelib.core as fresh
+        reimported = fresh.compute(2)
+        reg.install()
+        print(json.dumps({"patched": patched, "identical": identical, "after_unpatch": after_unpatch,
+                          "reimported": reimported, "reinstalled": states(reg), "again": fresh.compute(2)}))
+    ''')
+    assert out["patched"] == 21
+    assert all(out["identical"]), out["identical"]
+    assert out["after_unpatch"] == {"fake-compute": "disabled", "fake-thing": "disabled"}
+    assert out["reimported"] == 20  # unpatch holds until install() is called again
+    assert out["reinstalled"] == {"fake-compute": "applied", "fake-thing": "applied"}
+    assert out["again"] == 21
+
+
+@pytest.mark.parametrize("order", ["metapatch-first", "target-first"])
+def test_out_of_range_version_is_not_affected_and_untouched(world, order):
+    run = world(version="2.1.0")
+    out = run(f'''
+        if {order == "target-first"}:
+            import fakelib.core
+        reg = Registry(load_patches("fakepatches")); reg.install()
+        import fakelib.core
+        r = rows(reg)["fake-compute"]
+        print(json.dumps({{"state": r["state"], "reason": r["reason"], "compute": fakelib.core.compute(2),
+                          "marker": hasattr(fakelib.core.compute, MARKER),
+                          "plain": type(fakelib.core.compute).__name__}}))
+    ''')
+    assert out["state"] == "not-affected" and "2.1.0" in out["reason"] and "2.0" in out["reason"]
+    assert out["compute"] == 20 and not out["marker"] and out["plain"] == "function"
+
+
+def test_out_of_range_target_object_is_identical(world):
+    out = world(version="0.9")('''
+        import fakelib.core
+        orig = fakelib.core.compute
+        reg = Registry(load_patches("fakepatches")); reg.install()
+        print(json.dumps({"same": fakelib.core.compute is orig, "thing": states(reg)["fake-thing"]}))
+    ''')
+    assert out == {"same": True, "thing": "not-affected"}
+
+
+def test_prerelease_and_local_versions_are_in_range(world):
+    out = world(version="1.3.0.dev1+cu124")('''
+        reg = Registry(load_patches("fakepatches")); reg.install()
+        import fakelib.core
+        print(json.dumps(states(reg)))
+    ''')
+    assert out["fake-compute"] == "applied"
+
+
+STALE_CORE = FAKELIB_CORE.replace("return x * 10", "return x * 10 + 0")
+
+
+@pytest.mark.parametrize("order", ["metapatch-first", "target-first"])
+def test_changed_source_is_stale_skipped_and_warned_once(world, order, tmp_path):
+    run = world()
+    (tmp_path / "fakelib" / "core.py").write_text(STALE_CORE)  # upstream changed after the patch was written
+    out = run(f'''
+        caught = []
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            if {order == "target-first"}:
+                import fakelib.core
+            reg = Registry(load_patches("fakepatches")); reg.install()
+            import fakelib.core
+            reg.install(); reg.status()
+            caught = [str(x.message) for x in w if issubclass(x.category, MetapatchWarning)]
+        r = rows(reg)
+        print(json.dumps({{"state": r["fake-compute"]["state"], "reason": r["fake-compute"]["reason"],
+                          "other": r["fake-thing"]["state"], "compute": fakelib.core.compute(2), "warnings": caught}}))
+    ''')
+    assert out["state"] == "stale" and "changed upstream" in out["reason"]
+    assert out["other"] == "applied"  # one stale patch does not take the others down
+    assert out["compute"] == 20
+    assert len(out["warnings"]) == 1 and "fake-compute" in out["warnings"][0]
+
+
+@pytest.mark.parametrize("order", ["metapatch-first", "target-first"])
+def test_strict_mode_turns_stale_into_an_error(world, order, tmp_path):
+    run = world()
+    (tmp_path / "fakelib" / "core.py").write_text(STALE_CORE)
+    out = run(f'''
+        raised = None
+        try:
+            if {order == "target-first"}:
+                import fakelib.core
+            reg = Registry(load_patches("fakepatches")); reg.install()
+            import fakelib.core
+        except MetapatchError as exc:
+            raised = str(exc)
+        print(json.dumps({{"raised": raised}}))
+    ''', env={"METAPATCH_STRICT": "1"})
+    assert out["raised"] and "fake-compute" in out["raised"] and "stale" in out["raised"]
+
+
+def test_a_raising_patch_is_failed_others_applied_import_works(world):
+    patches = dict(PATCHES)
+    patches["p_broken"] = '''
+from metapatch import Patch, Target
+from fakepatches import FP
+
+def _boom(original):
+    raise RuntimeError("patch bug")
+
+PATCH = Patch(id="fake-broken", title="raises while applying", affects={"fakelib": ">=1"},
+              targets=(Target("fakelib.core", "compute", FP["fakelib.core:compute"], replacement=_boom),))
+'''
+    out = world(patches=patches)('''
+        records = []
+        logging.getLogger("metapatch").addHandler(type("H", (logging.Handler,), {"emit": lambda s, r: records.append(r.getMessage())})())
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            reg = Registry(load_patches("fakepatches")); reg.install()
+            import fakelib.core
+            reg.install()
+            caught = [str(x.message) for x in w if issubclass(x.category, MetapatchWarning)]
+        r = rows(reg)
+        print(json.dumps({"states": states(reg), "reason": r["fake-broken"]["reason"], "compute": fakelib.core.compute(2),
+                          "warnings": caught, "logged": [m for m in records if "fake-broken" in m]}))
+    ''')
+    assert out["states"] == {"fake-broken": "failed", "fake-compute": "applied", "fake-thing": "applied"}
+    assert "RuntimeError: patch bug" in out["reason"]
+    assert out["compute"] == 21
+    assert len(out["warnings"]) == 1 and len(out["logged"]) == 1
+
+
+@pytest.mark.parametrize("value,expected", [
+    ("fake-compute", {"fake-compute": "disabled", "fake-thing": "applied"}),
+    ("fake-compute, fake-thing", {"fake-compute": "disabled", "fake-thing": "disabled"}),
+    ("all", {"fake-compute": "disabled", "fake-thing": "disabled"}),
+])
+def test_metapatch_disable(world, value, expected):
+    out = world()('''
+        reg = Registry(load_patches("fakepatches")); reg.install()
+        import fakelib.core
+        print(json.dumps({"states": states(reg), "compute": fakelib.core.compute(2)}))
+    ''', env={"METAPATCH_DISABLE": value})
+    assert out["states"] == expected
+    assert out["compute"] == (20 if expected["fake-compute"] == "disabled" else 21)
+
+
+def test_metapatch_disable_unknown_id_warns(world):
+    out = world()('''
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            reg = Registry(load_patches("fakepatches")); reg.install()
+        print(json.dumps([str(x.message) for x in w if issubclass(x.category, MetapatchWarning)]))
+    ''', env={"METAPATCH_DISABLE": "fake-compute,no-such-patch"})
+    assert len(out) == 1 and "no-such-patch" in out[0] and "fake-thing" in out[0]
+
+
+def test_concurrent_imports_and_installs_never_double_wrap(world):
+    out = world()('''
+        import threading
+        reg = Registry(load_patches("fakepatches"))
+        barrier = threading.Barrier(8)
+        def worker(i):
+            barrier.wait()
+            if i % 2:
+                reg.install()
+            import fakelib.core
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+        [t.start() for t in threads]; [t.join() for t in threads]
+        reg.install()
+        import fakelib.core
+        f = fakelib.core.compute
+        print(json.dumps({"compute": f(2), "inner_is_plain": type(f.__wrapped__).__name__ == "function",
+                          "states": states(reg)}))
+    ''')
+    assert out["compute"] == 21 and out["inner_is_plain"]
+    assert out["states"]["fake-compute"] == "applied"
+
+
+def test_second_registry_adopts_instead_of_double_wrapping(world):
+    # What importlib.reload(metapatch._registry) or a re-import after clearing sys.modules amounts to.
+    out = world()('''
+        import fakelib.core
+        orig = fakelib.core.compute
+        first = Registry(load_patches("fakepatches")); first.install()
+        second = Registry(load_patches("fakepatches")); second.install()
+        twice = fakelib.core.compute(2)
+        second.unpatch()
+        print(json.dumps({"twice": twice, "restored": fakelib.core.compute is orig, "states": states(second)}))
+    ''')
+    assert out["twice"] == 21 and out["restored"]
+
+
+def test_reloading_metapatch_itself_never_double_wraps(world, tmp_path):
+    # The real package, with the fake patches standing in for metapatch.patches.
+    out = world()('''
+        import importlib, metapatch, metapatch._registry as R
+        R.REGISTRY = Registry(load_patches("fakepatches")); metapatch.registry = R.REGISTRY; metapatch.install()
+        import fakelib.core
+        importlib.reload(metapatch)
+        import metapatch as again
+        again.install()
+        print(json.dumps({"compute": fakelib.core.compute(2), "same_registry": again.registry is R.REGISTRY}))
+    ''')
+    assert out == {"compute": 21, "same_registry": True}
+
+
+def test_reloaded_target_is_reported_then_reapplied_once(world):
+    out = world()('''
+        import importlib
+        reg = Registry(load_patches("fakepatches")); reg.install()
+        import fakelib.core
+        importlib.reload(fakelib.core)
+        after_reload = rows(reg)["fake-compute"]
+        unpatched = fakelib.core.compute(2)
+        reg.install()
+        print(json.dumps({"state": after_reload["state"], "reason": after_reload["reason"], "unpatched": unpatched,
+                          "reapplied": fakelib.core.compute(2), "states": states(reg)}))
+    ''')
+    assert out["state"] == "pending-import" and "reload" in out["reason"]
+    assert out["unpatched"] == 20 and out["reapplied"] == 21
+    assert out["states"] == {"fake-compute": "applied", "fake-thing": "applied"}
+
+
+def test_unpatch_unknown_id_is_a_clear_error(world):
+    out = world()('''
+        reg = Registry(load_patches("fakepatches")); reg.install()
+        try:
+            reg.unpatch(["nope"])
+            msg = None
+        except ValueError as exc:
+            msg = str(exc)
+        print(json.dumps(msg))
+    ''')
+    assert "nope" in out and "fake-compute" in out
+
+
+def test_import_metapatch_imports_no_heavy_library():
+    code = ("import sys, metapatch; heavy = [m for m in ('torch', 'transformers', 'accelerate', 'peft', "
+            "'bitsandbytes') if m in sys.modules]; print(heavy); metapatch.status(); "
+            "print([m for m in ('torch', 'transformers', 'accelerate', 'peft', 'bitsandbytes') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=_env(REPO)).stdout.splitlines()
+    assert out == ["[]", "[]"]
+
+
+def test_status_cli_json_and_strict_exit_code(world, tmp_path):
+    run = world()
+    (tmp_path / "fakelib" / "core.py").write_text(STALE_CORE)
+    out = run('''
+        import io, contextlib, os, metapatch, metapatch._registry as R
+        from metapatch.commands import status as cmd
+        import fakelib.core
+        metapatch.registry = Registry(load_patches("fakepatches"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            metapatch.registry.install()
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            lenient = cmd.run(type("A", (), {"json": True, "import_targets": False})())
+        data = json.loads(buf.getvalue())
+        os.environ["METAPATCH_STRICT"] = "1"
+        with contextlib.redirect_stdout(io.StringIO()):
+            strict = cmd.run(type("A", (), {"json": False, "import_targets": False})())
+        print(json.dumps({"lenient": lenient, "strict": strict, "rows": data}))
+    ''')
+    assert out["lenient"] == 0 and out["strict"] == 1
+    by_id = {row["id"]: row for row in out["rows"]}
+    assert by_id["fake-compute"]["state"] == "stale"
+    for key in ("state", "reason", "installed", "affects", "upstream", "title"):
+        assert key in by_id["fake-thing"]
+
+
+def test_python_dash_m_status_runs():
+    proc = subprocess.run([sys.executable, "-m", "metapatch", "status", "--json"], capture_output=True, text=True,
+                          env=_env(REPO))
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)
+    assert all(row["state"] in {"applied", "pending-import", "not-affected", "stale", "disabled", "failed"}
+               for row in rows)
