@@ -3,7 +3,7 @@ is an error), after checking that `metapatch status` reports no stale or failed 
 target is imported.
 
     python3 -m nox                      # the whole matrix (what CI runs)
-    python3 -m nox -s "tests(latest)"   # one environment
+    python3 -m nox -s "tests(env='latest')"   # one environment
 """
 
 import nox
@@ -29,7 +29,7 @@ def tests(session, env):
     versions = MATRIX[env]
     session.install("torch==2.13.0")  # first, alone, so nothing else can pick a CUDA build
     session.install(*COMMON, *(f"{dist}=={ver}" for dist, ver in versions.items()), "safetensors",
-                    "pytest>=8", "hypothesis>=6")
+                    "pytest>=8", "hypothesis>=6", "parameterized")
     session.install("--no-deps", "-e", ".")
     session.env["METAPATCH_STRICT"] = "1"
     session.run("python", "-m", "pip", "list", "--format=freeze", silent=False)
