@@ -30,7 +30,7 @@ def tests(session, env):
     session.install("torch==2.13.0")  # first, alone, so nothing else can pick a CUDA build
     session.install(*COMMON, *(f"{dist}=={ver}" for dist, ver in versions.items()), "safetensors",
                     "pytest>=8", "hypothesis>=6", "parameterized")
-    session.install("--no-deps", "-e", ".")
+    session.install("-e", ".")  # with its own dependencies (wrapt, packaging); the stack is pinned above
     session.env["METAPATCH_STRICT"] = "1"
     session.run("python", "-m", "pip", "list", "--format=freeze", silent=False)
     session.run("metapatch", "status", "--import-targets")

@@ -1,28 +1,60 @@
-"""Upstream diffs: read their DEP-3 headers, and apply them to a copy of an installed package.
+"""Upstream diffs: read their DEP-3 headers, apply them to a copy of an installed package, and
+check them against the installed package (still needed, fixed upstream, or drifted).
 
 Diff paths are relative to the upstream repository root (``src/accelerate/hooks.py``,
 ``bitsandbytes/functional.py``, ``tests/test_hooks.py``); only the sections under the installed
 package's own directory can be applied to an installed copy, the rest (upstream's tests) belong to
 the repository.
+
+The folder of diffs is ``upstream_diffs/`` next to the ``metapatch`` package; the environment
+variable ``METAPATCH_DIFFS_ROOT`` points it elsewhere (the tests use it for synthetic fixtures).
+Nothing here touches an installed package: checks run on temporary copies of the touched files.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 DIFFS_ROOT = Path(__file__).resolve().parent.parent / "upstream_diffs"
+DIFFS_ROOT_ENV = "METAPATCH_DIFFS_ROOT"
 DEP3_FIELDS = ("Description", "Origin", "Bug", "Forwarded", "Applied-Upstream", "Last-Update")
+
+# Verdicts of check(): what the installed package says about a diff.
+APPLIES = "applies"                # the installed code still has the bug
+FIXED_UPSTREAM = "fixed-upstream"  # the diff applies in reverse: the installed code has the fix
+DRIFTED = "drifted"                # neither: upstream moved the code (failing hunks are reported)
+NOT_INSTALLED = "not-installed"    # nothing to check against
+INVALID = "invalid"                # the diff has no section for its package's own files
+VERDICTS = (APPLIES, FIXED_UPSTREAM, DRIFTED, NOT_INSTALLED, INVALID)
 
 
 @dataclass
 class FileSection:
     path: str  # repository-relative, without a/ b/
     text: str
+
+    @property
+    def creates(self) -> bool:
+        return any(line.startswith("--- /dev/null") for line in self.text.splitlines())
+
+    def hunks(self) -> List[str]:
+        """Each ``@@`` hunk's text, in order (hunk #1 is ``hunks()[0]``)."""
+        lines = self.text.splitlines(keepends=True)
+        starts = [i for i, line in enumerate(lines) if line.startswith("@@ ")]
+        return ["".join(lines[b:starts[n + 1] if n + 1 < len(starts) else len(lines)]) for n, b in enumerate(starts)]
+
+    def header(self) -> str:
+        """Everything before the first hunk (``diff --git``, ``---``, ``+++`` lines)."""
+        lines = self.text.splitlines(keepends=True)
+        first = next((i for i, line in enumerate(lines) if line.startswith("@@ ")), len(lines))
+        return "".join(lines[:first])
 
 
 @dataclass
@@ -36,6 +68,22 @@ class UpstreamDiff:
     def package_sections(self) -> List[FileSection]:
         return [s for s in self.sections if _package_relative(s.path, self.package) is not None]
 
+    def other_sections(self) -> List[FileSection]:
+        """Sections outside the package (upstream's tests, docs): they only apply to a clone."""
+        return [s for s in self.sections if _package_relative(s.path, self.package) is None]
+
+    @property
+    def description(self) -> Tuple[str, str]:
+        """(subject, body) of the DEP-3 Description (or Subject); a ``.`` line is a blank line."""
+        text = self.header.get("Description") or self.header.get("Subject") or ""
+        lines = ["" if line.strip() == "." else line for line in text.splitlines()]
+        subject = lines[0].strip() if lines else ""
+        return subject, "\n".join(lines[1:]).strip()
+
+    @property
+    def text(self) -> str:
+        return self.path.read_text()
+
 
 def _package_relative(path: str, package: str) -> Optional[str]:
     for prefix in (f"src/{package}/", f"{package}/"):
@@ -44,7 +92,31 @@ def _package_relative(path: str, package: str) -> Optional[str]:
     return None
 
 
+def diffs_root() -> Path:
+    """Where the diffs live: ``$METAPATCH_DIFFS_ROOT`` if set, else the project's upstream_diffs/
+    (a source checkout or editable install), else ``metapatch/upstream_diffs`` should a wheel ship
+    them as package data."""
+    override = os.environ.get(DIFFS_ROOT_ENV, "").strip()
+    if override:
+        return Path(override)
+    packaged = Path(__file__).resolve().parent / "upstream_diffs"
+    return packaged if not DIFFS_ROOT.is_dir() and packaged.is_dir() else DIFFS_ROOT
+
+
+def resolve_diff_path(relative: str) -> Path:
+    """A ``Patch.diffs`` entry (``upstream_diffs/<id>/<package>.diff``) as a file path, honouring
+    ``$METAPATCH_DIFFS_ROOT``."""
+    path = Path(relative)
+    if path.is_absolute():
+        return path
+    parts = path.parts
+    if parts and parts[0] == "upstream_diffs":
+        return diffs_root().joinpath(*parts[1:])
+    return DIFFS_ROOT.parent / path
+
+
 def parse(path: Path) -> UpstreamDiff:
+    path = Path(path)
     text = path.read_text()
     header: Dict[str, str] = {}
     lines = text.splitlines(keepends=True)
@@ -69,14 +141,23 @@ def parse(path: Path) -> UpstreamDiff:
     for n, begin in enumerate(starts):
         chunk = body[begin:starts[n + 1] if n + 1 < len(starts) else len(body)]
         target = next((l[4:].strip().split("\t")[0] for l in chunk if l.startswith("+++ ")), None)
+        if target == "/dev/null":  # a deletion: the file is named on the --- line
+            target = next((l[4:].strip().split("\t")[0] for l in chunk if l.startswith("--- ")), None)
+            target = target[2:] if target and target.startswith("a/") else target
         if target:
             sections.append(FileSection(target[2:] if target.startswith("b/") else target, "".join(chunk)))
     return UpstreamDiff(path, path.parent.name, path.stem, header, sections)
 
 
 def diffs_for(patch_id: str) -> List[UpstreamDiff]:
-    folder = DIFFS_ROOT / patch_id
+    folder = diffs_root() / patch_id
     return [parse(p) for p in sorted(folder.glob("*.diff"))] if folder.is_dir() else []
+
+
+def all_diff_paths() -> List[Path]:
+    """Every ``<patch-id>/<package>.diff`` under the diffs root."""
+    root = diffs_root()
+    return sorted(root.glob("*/*.diff")) if root.is_dir() else []
 
 
 def installed_package_dir(package: str) -> Path:
@@ -88,24 +169,48 @@ def installed_package_dir(package: str) -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
+def distribution_of(package: str) -> str:
+    """The distribution that installs import package ``package`` (``bitsandbytes`` ->
+    ``bitsandbytes``); the import name itself when nothing installed claims it."""
+    import importlib.metadata
+
+    try:
+        owners = importlib.metadata.packages_distributions().get(package) or []
+    except Exception:  # broken metadata of some unrelated distribution must not stop a check
+        owners = []
+    return owners[0] if owners else package
+
+
+def installed_version(distribution: str) -> Optional[str]:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def _run_patch(diff_text: str, directory: Path, *, reverse: bool = False, dry_run: bool = False) -> subprocess.CompletedProcess:
+    # --forward stays in reverse mode too: with --batch, GNU patch otherwise "assumes -R" for a
+    # hunk that looks reversed, and a reverse check would silently apply the diff forwards.
     args = ["patch", "-p1", "--batch", "--forward", "--no-backup-if-mismatch", "-r", "-", "-d", str(directory)]
     if reverse:
-        args[args.index("--forward")] = "--reverse"
+        args.append("--reverse")
     if dry_run:
         args.append("--dry-run")
     return subprocess.run(args, input=diff_text, capture_output=True, text=True)
 
 
+def _rewrite_section(section: FileSection, package: str) -> str:
+    """``a/src/accelerate/hooks.py`` -> ``a/accelerate/hooks.py``: package-relative paths."""
+    rel = _package_relative(section.path, package)
+    return section.text.replace(f"a/{section.path}", f"a/{rel}").replace(f"b/{section.path}", f"b/{rel}")
+
+
 def _as_package_relative(diff: UpstreamDiff) -> str:
     """The package sections, with paths rewritten from repository-relative to package-relative
     (``a/src/accelerate/hooks.py`` -> ``a/accelerate/hooks.py``)."""
-    out = []
-    for section in diff.package_sections():
-        rel = _package_relative(section.path, diff.package)
-        text = section.text.replace(f"a/{section.path}", f"a/{rel}").replace(f"b/{section.path}", f"b/{rel}")
-        out.append(text)
-    return "".join(out)
+    return "".join(_rewrite_section(section, diff.package) for section in diff.package_sections())
 
 
 def apply_to_copy(diff: UpstreamDiff, dest: Path) -> Path:
@@ -118,3 +223,133 @@ def apply_to_copy(diff: UpstreamDiff, dest: Path) -> Path:
     if result.returncode != 0:
         raise RuntimeError(f"{diff.path} does not apply to the installed {diff.package}:\n{result.stdout}{result.stderr}")
     return dest
+
+
+# ---------------------------------------------------------------------------------------------
+# Checking a diff against the installed package
+
+
+@dataclass
+class HunkFailure:
+    number: int  # 1-based, as GNU patch counts them within a file
+    text: str
+
+
+@dataclass
+class FileCheck:
+    path: str  # repository-relative
+    result: str  # "applies", "reversed", "missing" (file not in the installed package), "failed"
+    failed_hunks: List[HunkFailure] = field(default_factory=list)
+    reversed_hunks: List[int] = field(default_factory=list)  # already in the installed code
+    notes: List[str] = field(default_factory=list)  # offsets and fuzz patch needed
+
+    def to_dict(self) -> dict:
+        return {"path": self.path, "result": self.result, "notes": list(self.notes),
+                "reversed_hunks": list(self.reversed_hunks),
+                "failed_hunks": [{"number": h.number, "text": h.text} for h in self.failed_hunks]}
+
+
+@dataclass
+class DiffCheck:
+    diff: UpstreamDiff
+    verdict: str
+    distribution: str
+    installed: Optional[str]
+    files: List[FileCheck] = field(default_factory=list)
+    detail: str = ""
+
+    def to_dict(self) -> dict:
+        return {"patch_id": self.diff.patch_id, "package": self.diff.package,
+                "distribution": self.distribution, "installed": self.installed,
+                "verdict": self.verdict, "detail": self.detail,
+                "files": [f.to_dict() for f in self.files]}
+
+
+_SUCCEEDED = re.compile(r"Hunk #(\d+) succeeded at (\d+)(?: with fuzz (\d+))?(?: \(offset (-?\d+) lines?\))?")
+
+
+def _fuzz(output: str) -> int:
+    return sum(int(m.group(3) or 0) for m in _SUCCEEDED.finditer(output))
+
+
+def _notes(output: str) -> List[str]:
+    return [f"hunk #{m.group(1)} at line {m.group(2)}"
+            + (f" with fuzz {m.group(3)}" if m.group(3) else "")
+            + (f" (offset {m.group(4)})" if m.group(4) else "")
+            for m in _SUCCEEDED.finditer(output)]
+
+
+def _check_section(section: FileSection, package: str, package_dir: Path) -> FileCheck:
+    rel = _package_relative(section.path, package)
+    installed_file = package_dir / rel.split("/", 1)[1]
+    if not installed_file.is_file() and not section.creates:
+        return FileCheck(section.path, "missing",
+                         failed_hunks=[HunkFailure(n, h) for n, h in enumerate(section.hunks(), 1)],
+                         notes=[f"{installed_file} does not exist in the installed package"])
+    text = _rewrite_section(section, package)
+    with tempfile.TemporaryDirectory(prefix="metapatch-diffcheck-") as tmp:
+        copy = Path(tmp) / rel
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        if installed_file.is_file():
+            shutil.copyfile(installed_file, copy)
+        forward = _run_patch(text, Path(tmp), dry_run=True)
+        backward = _run_patch(text, Path(tmp), reverse=True, dry_run=True)
+        if forward.returncode == 0 and (backward.returncode != 0 or _fuzz(forward.stdout) <= _fuzz(backward.stdout)):
+            return FileCheck(section.path, "applies", notes=_notes(forward.stdout))
+        if backward.returncode == 0:
+            return FileCheck(section.path, "reversed", notes=_notes(backward.stdout))
+        return _diagnose_hunks(section, text, Path(tmp))
+
+
+def _diagnose_hunks(section: FileSection, text: str, directory: Path) -> FileCheck:
+    """Neither direction applies as a whole: try each hunk alone, to tell hunks upstream already
+    has (partly fixed) from hunks whose context moved (drift)."""
+    rewritten = FileSection(section.path, text)
+    header = rewritten.header()
+    failed, already = [], []
+    for number, (hunk, original) in enumerate(zip(rewritten.hunks(), section.hunks()), 1):
+        if _run_patch(header + hunk, directory, dry_run=True).returncode == 0:
+            continue
+        if _run_patch(header + hunk, directory, reverse=True, dry_run=True).returncode == 0:
+            already.append(number)
+        else:
+            failed.append(HunkFailure(number, original))
+    if not failed and already:
+        note = f"hunk(s) {', '.join(map(str, already))} already upstream, the others not: partly fixed upstream"
+    elif not failed:
+        note = "every hunk applies alone but not all together (overlapping hunks)"
+    else:
+        note = f"{len(failed)} of {len(section.hunks())} hunk(s) fail in both directions"
+    return FileCheck(section.path, "failed", failed_hunks=failed, reversed_hunks=already, notes=[note])
+
+
+def check(diff: UpstreamDiff) -> DiffCheck:
+    """Compare ``diff`` with the installed package (on temporary copies of the touched files).
+
+    ``applies``: every package file takes the diff forwards (the bug is present);
+    ``fixed-upstream``: every one takes it in reverse (the installed code already has the fix);
+    ``drifted``: anything else, with the failing hunks; ``not-installed``; ``invalid``."""
+    distribution = distribution_of(diff.package)
+    version = installed_version(distribution)
+    try:
+        package_dir = installed_package_dir(diff.package)
+    except (FileNotFoundError, ImportError, ValueError):
+        return DiffCheck(diff, NOT_INSTALLED, distribution, version,
+                         detail=f"{diff.package} is not installed: nothing to check against")
+    sections = diff.package_sections()
+    if not sections:
+        paths = ", ".join(s.path for s in diff.sections) or "none"
+        return DiffCheck(diff, INVALID, distribution, version,
+                         detail=f"no section touches {diff.package}'s own files (src/{diff.package}/ or "
+                                f"{diff.package}/); sections: {paths}")
+    files = [_check_section(section, diff.package, package_dir) for section in sections]
+    results = {f.result for f in files}
+    label = f"{distribution} {version or '(unknown version)'}"
+    if results == {"applies"}:
+        return DiffCheck(diff, APPLIES, distribution, version, files, f"applies to the installed {label}: the bug is present")
+    if results == {"reversed"}:
+        return DiffCheck(diff, FIXED_UPSTREAM, distribution, version, files,
+                         f"applies in reverse to the installed {label}: fixed upstream")
+    bad = [f.path for f in files if f.result not in ("applies",)]
+    return DiffCheck(diff, DRIFTED, distribution, version, files,
+                     f"does not apply to the installed {label} in either direction ({', '.join(bad)})")
