@@ -6,28 +6,28 @@ target is imported.
     python3 -m nox -s "tests(env='latest')"   # one environment
 """
 
+import runpy
+
 import nox
 
 nox.options.error_on_missing_interpreters = True
 nox.options.reuse_existing_virtualenvs = True
 
+# The matrix is metapatch's own data (metapatch pins reads it too), loaded without importing the
+# package: nox runs in an interpreter that has none of metapatch's dependencies.
+TESTED = runpy.run_path("metapatch/tested_versions.py")
+NAMES = {("5.11.0", "1.13.0"): "seed", ("5.7.0", "1.13.0"): "gemma4-int", ("5.24.0", "1.15.0"): "latest"}
+MATRIX = {NAMES.get(pair, "t{}-a{}".format(*pair)): {"transformers": pair[0], "accelerate": pair[1]}
+          for pair in TESTED["PAIRS"]}
 # torch is pinned everywhere: an open range pulls a multi-GB CUDA build.
-COMMON = ["torch==2.13.0", "peft==0.21.2", "bitsandbytes==0.50.2"]
-MATRIX = {
-    # the seed reports' versions
-    "seed": {"transformers": "5.11.0", "accelerate": "1.13.0"},
-    # a Gemma 4 release with integer shared-KV keys
-    "gemma4-int": {"transformers": "5.7.0", "accelerate": "1.13.0"},
-    # the latest releases
-    "latest": {"transformers": "5.24.0", "accelerate": "1.15.0"},
-}
+COMMON = [f"{dist}=={version}" for dist, version in TESTED["COMMON"].items()]
 
 
 @nox.session(python="3.11")
 @nox.parametrize("env", list(MATRIX))
 def tests(session, env):
     versions = MATRIX[env]
-    session.install("torch==2.13.0")  # first, alone, so nothing else can pick a CUDA build
+    session.install(f"torch=={TESTED['COMMON']['torch']}")  # first, alone, so nothing else can pick a CUDA build
     session.install(*COMMON, *(f"{dist}=={ver}" for dist, ver in versions.items()), "safetensors",
                     "pytest>=8", "hypothesis>=6", "parameterized")
     session.install("-e", ".")  # with its own dependencies (wrapt, packaging); the stack is pinned above
