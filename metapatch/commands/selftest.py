@@ -1,0 +1,218 @@
+"""metapatch selftest"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+HELP = ("run every shipped reproducer against the installed versions, each in a subprocess without and "
+        "with metapatch, and show whether metapatch fixes it here (exit 0 only when every scenario passes "
+        "with metapatch)")
+
+EPILOG = """verdicts:
+  fixed            affected install: fails without metapatch, passes with it
+  not reproduced   affected install, but the unpatched run passed on this machine (the fix is still checked)
+  passes           the scenario passes with and without metapatch (a regression guard, or not affected)
+  FAILED           the run with metapatch failed: metapatch does not fix this install (exit code 1)
+  BUG OUTSIDE GATE not affected by the version gate, yet the bug reproduces (exit code 1; please report)
+  skipped          a package the scenario needs is not installed
+"""
+
+
+@dataclass
+class Row:
+    scenario: str
+    patch_id: str
+    description: str
+    affected: Optional[bool]
+    gate: str
+    installed: Dict[str, Optional[str]] = field(default_factory=dict)
+    expected_error: str = ""
+    unpatched: Optional[Dict[str, Any]] = None
+    patched: Optional[Dict[str, Any]] = None
+    verdict: str = ""
+    ok: bool = True
+    seconds: float = 0.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = EPILOG
+    parser.add_argument("--json", action="store_true", help="machine-readable output (one object per scenario)")
+    parser.add_argument("--patch", action="append", metavar="ID", default=[],
+                        help="only the scenarios of this patch id (repeatable)")
+    parser.add_argument("--scenario", action="append", metavar="KEY", default=[],
+                        help="only this scenario, as PATCH_ID/NAME or NAME (repeatable)")
+    parser.add_argument("--include-slow", action="store_true",
+                        help="also run the slow variants the test suite runs (in_selftest=False)")
+    parser.add_argument("--timeout", type=float, default=300, metavar="SECONDS",
+                        help="per run (default 300)")
+
+
+def select(scenarios: Sequence[Any], patches: Sequence[str], names: Sequence[str], include_slow: bool) -> List[Any]:
+    chosen = [s for s in scenarios if include_slow or s.in_selftest or s.key in names or s.name in names]
+    if patches:
+        chosen = [s for s in chosen if s.patch_id in patches]
+    if names:
+        chosen = [s for s in chosen if s.key in names or s.name in names]
+    return chosen
+
+
+def _outcome_summary(outcome: Any, patch_id: str) -> Dict[str, Any]:
+    return {
+        "passed": outcome.passed,
+        "error_type": outcome.error_type,
+        "error": (outcome.error or "")[:500] or None,
+        "max_abs_diff": outcome.metrics.get("max_abs_diff"),
+        "metrics": outcome.metrics,
+        "seconds": round(outcome.seconds, 2),
+        "patch_state": outcome.states.get(patch_id),
+        "traceback_tail": outcome.traceback[-1500:] if not outcome.passed else "",
+    }
+
+
+def judge(row: Row) -> Row:
+    """Fill verdict and ok from the two outcomes."""
+    unpatched, patched = row.unpatched or {}, row.patched or {}
+    reproduced = not unpatched.get("passed", True)
+    if not patched.get("passed", False):
+        row.verdict, row.ok = "FAILED", False
+    elif row.affected is False and reproduced:
+        # The gate says the install has no bug, so the patch stayed off, yet the scenario fails:
+        # the gate is wrong for this install (the patched run "passed" only if something else fixed it).
+        row.verdict, row.ok = "BUG OUTSIDE GATE", False
+    elif reproduced:
+        row.verdict = "fixed"
+    elif row.affected and row.expected_error:
+        row.verdict = "not reproduced"
+    else:
+        row.verdict = "passes"
+    return row
+
+
+def _missing_distribution(reason: str) -> bool:
+    return reason.endswith("is not installed")
+
+
+def run_one(scenario: Any, registry: Any, timeout: float) -> Row:
+    from metapatch.selftest import run_scenario
+
+    patch = registry.patches.get(scenario.patch_id)
+    if patch is not None:
+        affected, reason, installed = registry._gate(patch)
+    else:
+        affected, reason, installed = None, "no patch with this id is registered", {}
+    row = Row(scenario.key, scenario.patch_id, scenario.description, affected, reason, dict(installed),
+              scenario.expected_error)
+    if patch is not None and not affected and _missing_distribution(reason):
+        row.verdict, row.ok = "skipped", True
+        return row
+    started = time.perf_counter()
+    unpatched = run_scenario(scenario, patched=False, timeout=timeout)
+    patched = run_scenario(scenario, patched=True, timeout=timeout)
+    row.seconds = round(time.perf_counter() - started, 2)
+    row.unpatched = _outcome_summary(unpatched, scenario.patch_id)
+    row.patched = _outcome_summary(patched, scenario.patch_id)
+    if not patched.passed and (patched.error_type or "").startswith("ModuleNotFound"):
+        row.verdict, row.ok = "skipped", True  # an optional package the scenario imports is missing
+        return row
+    return judge(row)
+
+
+# -- output --------------------------------------------------------------------------------------
+
+COLUMNS = ("scenario", "affected", "unpatched", "patched", "seconds", "verdict")
+
+
+def _affected_text(row: Row) -> str:
+    return {True: "yes", False: "no", None: "?"}[row.affected]
+
+
+def _unpatched_text(row: Row) -> str:
+    if row.unpatched is None:
+        return "-"
+    return "passes" if row.unpatched["passed"] else str(row.unpatched["error_type"])
+
+
+def _patched_text(row: Row) -> str:
+    if row.patched is None:
+        return "-"
+    if row.patched["passed"]:
+        diff = row.patched.get("max_abs_diff")
+        text = "pass" + (f", max diff {diff:g}" if isinstance(diff, (int, float)) else "")
+    else:
+        text = f"FAIL {row.patched['error_type']}"
+    state = row.patched.get("patch_state")
+    return f"{text} [{state}]" if state else text
+
+
+def cells(row: Row) -> List[str]:
+    return [row.scenario, _affected_text(row), _unpatched_text(row), _patched_text(row),
+            f"{row.seconds:.1f}", row.verdict]
+
+
+WIDTHS = (50, 8, 22, 34, 7, 16)
+
+
+def format_line(values: Sequence[str]) -> str:
+    return "  ".join(str(v).ljust(w) for v, w in zip(values, WIDTHS)).rstrip()
+
+
+def format_details(row: Row) -> List[str]:
+    out = []
+    if row.verdict in ("FAILED", "BUG OUTSIDE GATE", "not reproduced", "skipped"):
+        out.append(f"    gate: {row.gate}")
+    if row.patched and not row.patched["passed"]:
+        out.append(f"    with metapatch: {row.patched['error_type']}: {row.patched['error']}")
+        out.extend("    | " + line for line in row.patched["traceback_tail"].strip().splitlines()[-6:])
+    if row.verdict == "BUG OUTSIDE GATE" and row.unpatched:
+        out.append(f"    without metapatch: {row.unpatched['error_type']}: {row.unpatched['error']}")
+    return out
+
+
+def summary_line(rows: Sequence[Row], seconds: float) -> str:
+    failed = [r.scenario for r in rows if not r.ok]
+    counts: Dict[str, int] = {}
+    for row in rows:
+        counts[row.verdict] = counts.get(row.verdict, 0) + 1
+    text = ", ".join(f"{n} {v}" for v, n in counts.items()) or "no scenarios"
+    verdict = "metapatch fixes every affected scenario on this install" if not failed \
+        else f"NOT fixed here: {', '.join(failed)}"
+    return f"{len(rows)} scenarios in {seconds:.0f} s ({text}). {verdict}."
+
+
+def exit_code(rows: Sequence[Row]) -> int:
+    return 0 if all(r.ok for r in rows) else 1
+
+
+def run(args: argparse.Namespace) -> int:
+    import metapatch
+    from metapatch.selftest import all_scenarios
+
+    scenarios = select(all_scenarios(), args.patch, args.scenario, args.include_slow)
+    if not scenarios:
+        print("metapatch selftest: no scenario matches"
+              + (f" --patch {' '.join(args.patch)}" if args.patch else "")
+              + (f" --scenario {' '.join(args.scenario)}" if args.scenario else ""), file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    rows: List[Row] = []
+    if not args.json:
+        print(format_line([c.upper() for c in COLUMNS]), flush=True)
+    for scenario in scenarios:  # one at a time: the reproducers are CPU-bound and meant for small machines
+        row = run_one(scenario, metapatch.registry, args.timeout)
+        rows.append(row)
+        if not args.json:
+            print(format_line(cells(row)), flush=True)
+            for line in format_details(row):
+                print(line, flush=True)
+    elapsed = time.perf_counter() - started
+    if args.json:
+        print(json.dumps({"rows": [asdict(r) for r in rows], "seconds": round(elapsed, 2),
+                          "exit_code": exit_code(rows), "metapatch": metapatch.__version__}, indent=2, default=str))
+    else:
+        print(summary_line(rows, elapsed))
+    return exit_code(rows)

@@ -1,0 +1,494 @@
+"""What is wrong with a loaded model's placement: the checks people otherwise do by hand after a crash.
+
+``metapatch.diagnose(model)`` returns a :class:`Report` (``print(report)``, ``report.to_dict()``,
+``report.to_json()``) with one :class:`Finding` per problem, each naming the parameters or modules
+involved, the metapatch patch that fixes it (and that patch's state here) or the action to take:
+
+* ``meta-unfilled``: parameters/buffers on meta that no accelerate offload hook will fill;
+* ``no-hf-device-map``: the model is split across devices (or has meta/offloaded weights) but has
+  no ``hf_device_map``;
+* ``model-device-meta``: ``model.device`` is meta, so ``inputs.to(model.device)`` fails;
+* ``tied-split``: tied parameters placed on different devices;
+* ``skip-keys-missing``: accelerate hooks whose ``skip_keys`` omit the model's
+  ``_skip_keys_device_placement`` (the cache gets moved between devices every forward);
+* ``quant-state-meta``: bitsandbytes 4-bit quant states with tensors on meta;
+* ``offloaded`` (info): modules whose weights live on CPU/disk behind offload hooks.
+
+Nothing here changes the model. torch is imported only by the callers (the model exists).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+ERROR, WARNING, INFO = "error", "warning", "info"
+_SHOWN = 8  # names listed per finding in the text report (all of them are in to_dict())
+
+
+@dataclass
+class Finding:
+    code: str
+    severity: str
+    summary: str
+    items: List[str] = field(default_factory=list)
+    fix: str = ""
+    patch: Optional[str] = None
+    patch_state: Optional[str] = None
+
+    def lines(self) -> List[str]:
+        out = [f"[{self.severity}] {self.code}: {self.summary}"]
+        if self.items:
+            shown = ", ".join(self.items[:_SHOWN])
+            more = f" (and {len(self.items) - _SHOWN} more)" if len(self.items) > _SHOWN else ""
+            out.append(f"    {shown}{more}")
+        if self.patch:
+            out.append(f"    metapatch fix: {self.patch} ({self.patch_state or 'not shipped in this build'})")
+        if self.fix:
+            out.append(f"    what to do: {self.fix}")
+        return out
+
+
+@dataclass
+class Report:
+    model_class: str
+    devices: Dict[str, int]  # device -> number of parameters there (meta counted as "meta")
+    has_hf_device_map: bool
+    findings: List[Finding] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """No error or warning findings (info findings, such as offloaded modules, are fine)."""
+        return not any(f.severity in (ERROR, WARNING) for f in self.findings)
+
+    def codes(self) -> List[str]:
+        return [f.code for f in self.findings]
+
+    def finding(self, code: str) -> Optional[Finding]:
+        return next((f for f in self.findings if f.code == code), None)
+
+    def to_dict(self) -> Dict[str, Any]:
+        data = asdict(self)
+        data["ok"] = self.ok
+        return data
+
+    def to_json(self, **kwargs: Any) -> str:
+        return json.dumps(self.to_dict(), **{"indent": 2, **kwargs})
+
+    def __str__(self) -> str:
+        devices = ", ".join(f"{d}: {n}" for d, n in self.devices.items()) or "no parameters"
+        out = [f"metapatch diagnosis of {self.model_class}",
+               f"  parameters per device: {devices}",
+               f"  hf_device_map: {'present' if self.has_hf_device_map else 'absent'}"]
+        if not self.findings:
+            out.append("  no problems found")
+        for finding in self.findings:
+            out.extend("  " + line for line in finding.lines())
+        out.append("  verdict: " + ("ok" if self.ok else "problems found"))
+        return "\n".join(out)
+
+
+# -- accelerate hooks ----------------------------------------------------------------------------
+
+
+def _hooks_of(module: Any) -> List[Any]:
+    hook = module.__dict__.get("_hf_hook")
+    if hook is None:
+        return []
+    return list(getattr(hook, "hooks", None) or (hook,))
+
+
+def _align_hooks(module: Any) -> List[Any]:
+    hooks_module = sys.modules.get("accelerate.hooks")
+    if hooks_module is None:
+        return []
+    return [h for h in _hooks_of(module) if isinstance(h, hooks_module.AlignDevicesHook)]
+
+
+def _offload_hooks(module: Any) -> List[Any]:
+    return [h for h in _align_hooks(module) if h.offload]
+
+
+class _WeightsMapKeys:
+    """Membership in an offload hook's weights_map without loading tensors from disk."""
+
+    def __init__(self) -> None:
+        self._keys: Dict[int, frozenset] = {}
+
+    def contains(self, weights_map: Any, key: str) -> bool:
+        prefix = ""
+        if hasattr(weights_map, "prefix") and hasattr(weights_map, "dataset"):  # accelerate's PrefixedDataset
+            prefix, weights_map = weights_map.prefix, weights_map.dataset
+        if weights_map is None:
+            return False
+        cache_key = id(weights_map)
+        if cache_key not in self._keys:
+            if hasattr(weights_map, "all_keys"):  # OffloadedWeightsLoader: RAM state dict + disk index
+                self._keys[cache_key] = frozenset(weights_map.all_keys)
+            elif isinstance(weights_map, Mapping):
+                self._keys[cache_key] = frozenset(weights_map.keys())
+            else:
+                return True  # an unknown store: trust it
+        return prefix + key in self._keys[cache_key]
+
+
+def _module_tensors(module: Any, recurse: bool, buffers: bool) -> Iterator[Tuple[str, Any]]:
+    yield from module.named_parameters(recurse=recurse)
+    if buffers:
+        yield from module.named_buffers(recurse=recurse)
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix and name else prefix or name
+
+
+def _covered_meta(model: Any) -> Tuple[set, Dict[str, Any]]:
+    """(names of meta tensors an offload hook will fill, {offloaded module name: hook})."""
+    keys = _WeightsMapKeys()
+    covered, offloaded = set(), {}
+    for module_name, module in model.named_modules():
+        for hook in _offload_hooks(module):
+            recurse = bool(hook.place_submodules)
+            hits = [n for n, t in _module_tensors(module, recurse, bool(hook.offload_buffers))
+                    if t.is_meta and keys.contains(hook.weights_map, n)]
+            if hits:
+                offloaded[module_name] = hook
+                covered.update(_join(module_name, n) for n in hits)
+    return covered, offloaded
+
+
+def _storage(hook: Any) -> str:
+    weights = getattr(hook, "weights_map", None)
+    loader = getattr(weights, "dataset", None)
+    index = getattr(loader, "index", None) or {}
+    prefix = getattr(weights, "prefix", "")
+    return "disk" if any(k.startswith(prefix) for k in index) else "cpu"
+
+
+def _collapse(names: Iterable[str]) -> List[str]:
+    """Drop names whose parent module is listed too: "model.layers.2" stands for its linears."""
+    names = set(names)
+    if "" in names:
+        return [""]  # the model itself covers everything below it
+    ordered = sorted(names, key=lambda n: (n.count("."), n))
+    kept: List[str] = []
+    for name in ordered:
+        if not any(name == k or name.startswith(k + ".") for k in kept):
+            kept.append(name)
+    return sorted(kept, key=_natural)
+
+
+def _natural(name: str) -> List[Any]:
+    return [int(p) if p.isdigit() else p for p in name.split(".")]
+
+
+# -- where things are ------------------------------------------------------------------------------
+
+
+def _device_map_owner(model: Any) -> Tuple[str, Optional[Mapping[str, Any]]]:
+    """(prefix, hf_device_map) of the outermost module carrying one (a PeftModel's base model has it)."""
+    for prefix, module in model.named_modules():
+        device_map = module.__dict__.get("hf_device_map")
+        if isinstance(device_map, Mapping):
+            return prefix, device_map
+    return "", None
+
+
+def _entry_of(device_map: Mapping[str, Any], name: str) -> Optional[str]:
+    try:
+        from metapatch._tied_groups import entry_of
+    except ImportError:  # pragma: no cover - shipped together
+        entry_of = None
+    if entry_of is not None:
+        return entry_of(device_map, name)
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        key = ".".join(parts[:i])
+        if key in device_map:
+            return key
+    return "" if "" in device_map else None
+
+
+def _placements(model: Any) -> Dict[str, str]:
+    """Where each parameter lives for computation: its hf_device_map entry when there is one,
+    otherwise its offload hook's storage, otherwise its tensor's device."""
+    prefix, device_map = _device_map_owner(model)
+    _, offloaded = _covered_meta(model)
+    result = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        place = None
+        if device_map is not None and (not prefix or name.startswith(prefix + ".")):
+            key = _entry_of(device_map, name[len(prefix) + 1:] if prefix else name)
+            if key is not None:
+                place = str(device_map[key])
+        if place is None:
+            owner = max((m for m in offloaded if not m or name.startswith(m + ".")), key=len, default=None)
+            place = _storage(offloaded[owner]) if owner is not None else str(param.device)
+        result[name] = place
+    return result
+
+
+def _norm_device(value: Any) -> str:
+    text = str(value)
+    return f"cuda:{text}" if text.isdigit() else text
+
+
+# -- the checks --------------------------------------------------------------------------------------
+
+
+def _patch_state(patch_id: str) -> Optional[str]:
+    try:
+        import metapatch
+    except ImportError:  # pragma: no cover
+        return None
+    for row in metapatch.status():
+        if row["id"] == patch_id:
+            return row["state"]
+    return None
+
+
+def _patch_ids(prefix: str) -> List[str]:
+    import metapatch
+
+    return [row["id"] for row in metapatch.status() if row["id"].startswith(prefix)]
+
+
+def _with_patch(finding: Finding, patch_id: Optional[str]) -> Finding:
+    if patch_id:
+        finding.patch, finding.patch_state = patch_id, _patch_state(patch_id)
+    return finding
+
+
+def check_meta_unfilled(model: Any, covered: set) -> Optional[Finding]:
+    names = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta and n not in covered]
+    if not names:
+        return None
+    tied = {m for group in _tied_groups(model) for m in group}
+    tied_hits = [n for n in names if n in tied]
+    finding = Finding(
+        "meta-unfilled", ERROR,
+        f"{len(names)} parameter(s)/buffer(s) are on the meta device and no offload hook will load them: "
+        "the first forward pass (or .item()) on them fails",
+        names,
+        fix=("the checkpoint did not provide them or the loader skipped them: read the loading report for "
+             "missing keys, use the model class that matches the checkpoint, and pass device_map/max_memory that "
+             "place every module (device_map='auto' leaves modules unplaced when tied weights are split)"))
+    if tied_hits:
+        finding.summary += f"; {len(tied_hits)} of them are tied weights"
+        return _with_patch(finding, next(iter(_patch_ids("tied-device-map")), "tied-device-map-transformers"))
+    return finding
+
+
+def check_no_device_map(model: Any, placements: Mapping[str, str], offloaded: Mapping[str, Any]) -> Optional[Finding]:
+    prefix, device_map = _device_map_owner(model)
+    if device_map is not None:
+        return None
+    devices = {d for d in placements.values()}
+    hooked = any(_align_hooks(m) for m in model.modules())
+    if len(devices) < 2 and not offloaded and "meta" not in devices and not hooked:
+        return None
+    finding = Finding(
+        "no-hf-device-map", WARNING,
+        f"the model is {'split across ' + ', '.join(sorted(devices)) if len(devices) > 1 else 'dispatched'} "
+        "but has no hf_device_map: device-map loading did not finish (or the model was dispatched by hand)",
+        [],
+        fix=("load with from_pretrained(..., device_map=...) so that transformers records hf_device_map; if that "
+             "still leaves it out, the automatic map failed (often on regex tied weights): pass an explicit "
+             "device_map dict naming every top-level module"))
+    return _with_patch(finding, next(iter(_patch_ids("tied-device-map")), None))
+
+
+def check_model_device(model: Any) -> Optional[Finding]:
+    try:
+        device = getattr(model, "device", None)
+    except Exception:
+        return None
+    if device is None or str(device) != "meta":
+        return None
+    target = _input_device(model)
+    return Finding(
+        "model-device-meta", ERROR,
+        "model.device is meta (its first parameter is offloaded), so inputs.to(model.device) sends inputs to meta",
+        [],
+        fix=(f"move inputs to the input embeddings' execution device instead: inputs.to({target!r})"
+             if target else "move inputs to the device that holds the input embeddings"))
+
+
+def _input_device(model: Any) -> Optional[str]:
+    get = getattr(model, "get_input_embeddings", None)
+    try:
+        embeddings = get() if callable(get) else None
+    except Exception:
+        embeddings = None
+    if embeddings is None:
+        return None
+    for hook in _align_hooks(embeddings):
+        if hook.execution_device is not None:
+            return _norm_device(hook.execution_device)
+    weight = getattr(embeddings, "weight", None)
+    return None if weight is None or weight.is_meta else str(weight.device)
+
+
+def _tied_groups(model: Any) -> List[Tuple[str, ...]]:
+    try:
+        from metapatch._tied_groups import tied_groups
+    except ImportError:  # pragma: no cover - fallback: identity only
+        by_id: Dict[int, List[str]] = defaultdict(list)
+        for name, param in model.named_parameters(remove_duplicate=False):
+            by_id[id(param)].append(name)
+        return [tuple(v) for v in by_id.values() if len(v) > 1]
+    return tied_groups(model)
+
+
+def check_tied_split(model: Any, placements: Mapping[str, str]) -> Optional[Finding]:
+    split = []
+    for group in _tied_groups(model):
+        where = {m: placements.get(m) for m in group if m in placements}
+        if len(set(where.values())) > 1:
+            split.append(" + ".join(f"{m} ({d})" for m, d in where.items()))
+    if not split:
+        return None
+    finding = Finding(
+        "tied-split", ERROR,
+        f"{len(split)} tied group(s) are placed on different devices: the copies diverge or stay on meta",
+        split,
+        fix="put every member of a tied group on one device in the device_map (or let metapatch repair the map)")
+    return _with_patch(finding, next(iter(_patch_ids("tied-device-map")), "tied-device-map-transformers"))
+
+
+def _as_set(keys: Any) -> set:
+    if keys is None:
+        return set()
+    return {keys} if isinstance(keys, str) else set(keys)
+
+
+def check_skip_keys(model: Any) -> Optional[Finding]:
+    wanted: set = set()
+    for module in model.modules():
+        wanted |= _as_set(getattr(type(module), "_skip_keys_device_placement", None))
+    if not wanted:
+        return None
+    lacking: Dict[str, List[str]] = defaultdict(list)  # missing keys -> module names
+    count = 0
+    for name, module in model.named_modules():
+        for hook in _align_hooks(module):
+            missing = wanted - _as_set(hook.skip_keys)
+            if missing:
+                lacking[", ".join(sorted(missing))].append(name)
+                count += 1
+                break
+    if not lacking:
+        return None
+    items = [f"{n or '(model)'} lacks {keys}" for keys, names in lacking.items() for n in _collapse(names)]
+    finding = Finding(
+        "skip-keys-missing", WARNING,
+        f"{count} accelerate hook(s) do not skip the model's _skip_keys_device_placement "
+        f"({', '.join(sorted(wanted))}): the cache is moved to each module's device every step",
+        items,
+        fix="dispatch with skip_keys=model._skip_keys_device_placement (re-dispatch by PEFT/dispatch_model drops it)")
+    return _with_patch(finding, "accelerate-dispatch-skip-keys")
+
+
+def _quant_state_meta(state: Any, depth: int = 0) -> List[str]:
+    torch = sys.modules.get("torch")
+    if torch is None or state is None or depth > 2:
+        return []
+    found = []
+    for key, value in vars(state).items():
+        if isinstance(value, torch.Tensor) and value.is_meta:
+            found.append(key)
+        elif hasattr(value, "absmax") and hasattr(value, "blocksize"):  # nested QuantState (state2)
+            found.extend(f"{key}.{k}" for k in _quant_state_meta(value, depth + 1))
+    return found
+
+
+def check_quant_state(model: Any, covered: set) -> Optional[Finding]:
+    if "bitsandbytes" not in sys.modules:
+        return None
+    hits = []
+    for name, module in model.named_modules():
+        weight = module.__dict__.get("_parameters", {}).get("weight")
+        state = getattr(weight, "quant_state", None)
+        if state is None:
+            continue
+        meta = _quant_state_meta(state)
+        if meta:
+            hits.append(f"{_join(name, 'weight')}.quant_state: {', '.join(meta)}")
+    if not hits:
+        return None
+    finding = Finding(
+        "quant-state-meta", ERROR,
+        f"{len(hits)} 4-bit weight(s) have quant-state tensors on meta: state_dict()/PEFT loading fails with "
+        "\"Tensor.item() cannot be called on meta tensors\"",
+        hits,
+        fix="load with bnb_4bit_use_double_quant=False, or keep the quantized modules off CPU/disk offload")
+    return _with_patch(finding, "bnb-quant-state-offload")
+
+
+def _fully_offloaded_roots(model: Any, covered: set) -> List[str]:
+    """The highest modules whose every tensor is an offloaded placeholder: "model.layers.2" rather
+    than its nine linears and norms."""
+    found: List[str] = []
+
+    def visit(name: str, module: Any) -> None:
+        tensors = [_join(name, n) for n, _ in _module_tensors(module, True, True)]
+        if tensors and all(t in covered for t in tensors):
+            found.append(name or "(model)")
+            return
+        for child, sub in module.named_children():
+            visit(_join(name, child), sub)
+
+    visit("", model)
+    return found
+
+
+def offloaded_info(model: Any, covered: set, offloaded: Mapping[str, Any]) -> Optional[Finding]:
+    if not offloaded:
+        return None
+    places = sorted({_storage(hook) for hook in offloaded.values()})
+    roots = _fully_offloaded_roots(model, covered)
+    storage = {}
+    for root in roots:
+        owner = next((offloaded[m] for m in offloaded if root == "(model)" or m == root or m.startswith(root + ".")), None)
+        storage[root] = _storage(owner) if owner is not None else places[0]
+    finding = Finding(
+        "offloaded", INFO,
+        f"{len(offloaded)} module(s) keep their weights on {' and '.join(places)} and load them for each "
+        "forward pass (expected with device_map offload)",
+        [f"{root} ({storage[root]})" for root in roots] or _collapse(offloaded),
+        fix=("do not move this model with .to()/.cuda(); move only the inputs. For speed, give the GPU(s) more "
+             "max_memory or use a smaller dtype/quantization"))
+    return _with_patch(finding, "offloaded-move-guard")
+
+
+def diagnose(model: Any) -> Report:
+    """Inspect ``model`` (a torch module, a transformers model or a PeftModel) and report."""
+    if not callable(getattr(model, "named_modules", None)):
+        from ._records import MetapatchError
+
+        raise MetapatchError(f"metapatch.diagnose() takes a torch.nn.Module (a loaded model), got {type(model).__name__}")
+    covered, offloaded = _covered_meta(model)
+    placements = _placements(model)
+    devices = Counter(str(p.device) for _, p in model.named_parameters())
+    _, device_map = _device_map_owner(model)
+    report = Report(type(model).__name__, dict(sorted(devices.items())), device_map is not None)
+    checks = (
+        lambda: check_meta_unfilled(model, covered),
+        lambda: check_no_device_map(model, placements, offloaded),
+        lambda: check_model_device(model),
+        lambda: check_tied_split(model, placements),
+        lambda: check_skip_keys(model),
+        lambda: check_quant_state(model, covered),
+        lambda: offloaded_info(model, covered, offloaded),
+    )
+    for check in checks:
+        finding = check()
+        if finding is not None:
+            report.findings.append(finding)
+    return report
+
+
+__all__ = ["Finding", "Report", "diagnose", "ERROR", "WARNING", "INFO"]

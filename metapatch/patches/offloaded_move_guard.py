@@ -1,0 +1,232 @@
+"""offloaded-move-guard: a clear error instead of "Cannot copy out of meta tensor; no data!" when a
+model (or a submodule, or a PeftModel around it) whose weights accelerate offloaded to CPU/disk is
+moved to a device.
+
+accelerate keeps offloaded weights on the meta device and loads them from ``weights_map`` for each
+forward pass. ``dispatch_model`` only guards the top-level ``model.to``/``model.cuda`` (instance
+attributes), so ``model.model.to(...)``, ``torch.nn.Module.to(model, ...)``, ``model.cpu()`` and
+``PeftModel.to(...)`` reach torch's raw error, whose advice (``to_empty()``) would throw the
+offloaded weights away. The guard checks before anything is converted and raises only when the move
+would certainly fail: a device move (not a dtype cast, not to meta) of a subtree holding a module
+with an accelerate offload hook whose tensors are on meta. Everything else calls straight through.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any, Callable, Iterator, List, Optional, Tuple
+
+from metapatch._records import MetapatchError, Patch, Target, Upstream
+
+PATCH_ID = "offloaded-move-guard"
+
+
+class OffloadedMoveError(MetapatchError, NotImplementedError):
+    """Moving a module whose weights accelerate offloaded. A NotImplementedError too, so code that
+    caught torch's "Cannot copy out of meta tensor" still catches this one."""
+
+
+# -- which device a call moves to ------------------------------------------------------------
+
+
+def _to_device(args: tuple, kwargs: dict) -> Optional[str]:
+    torch = sys.modules["torch"]
+    try:
+        device = torch._C._nn._parse_to(*args, **kwargs)[0]
+    except Exception:
+        return None  # bad arguments: let torch raise its own error
+    return None if device is None else str(device)
+
+
+def _accelerator_device(kind: str) -> Callable[[tuple, dict], Optional[str]]:
+    def target(args: tuple, kwargs: dict) -> Optional[str]:
+        index = args[0] if args else kwargs.get("device")
+        if index is None:
+            return kind
+        return str(index) if not isinstance(index, int) else f"{kind}:{index}"
+
+    return target
+
+
+def _cpu_device(args: tuple, kwargs: dict) -> Optional[str]:
+    return "cpu"
+
+
+# -- what is offloaded -------------------------------------------------------------------------
+
+
+def _offload_hooks(module: Any, hooks_module: Any) -> List[Any]:
+    hook = module.__dict__.get("_hf_hook")
+    if hook is None:
+        return []
+    chain = hook.hooks if isinstance(hook, hooks_module.SequentialHook) else (hook,)
+    return [h for h in chain if isinstance(h, hooks_module.AlignDevicesHook) and h.offload]
+
+
+def _holds_meta(module: Any, recurse: bool) -> bool:
+    tensors = (module.parameters(recurse=recurse), module.buffers(recurse=recurse))
+    return any(t.is_meta for group in tensors for t in group)
+
+
+def _offloaded_with_meta(module: Any, hooks_module: Any) -> Optional[Any]:
+    """The module's offload hook when it keeps the module's weights on meta right now (outside a
+    forward pass), else None."""
+    hook = module.__dict__.get("_hf_hook")
+    if hook is None:
+        return None
+    for offload_hook in _offload_hooks(module, hooks_module):
+        if _holds_meta(module, recurse=bool(getattr(offload_hook, "place_submodules", False))):
+            return offload_hook
+    return None
+
+
+def _any_offloaded(root: Any) -> bool:
+    hooks_module = sys.modules.get("accelerate.hooks")
+    return hooks_module is not None and any(
+        "_hf_hook" in module.__dict__ and _offloaded_with_meta(module, hooks_module) is not None
+        for module in root.modules())
+
+
+def _offloaded_modules(root: Any) -> List[Tuple[str, Any, Any]]:
+    """(relative name, module, hook) for every offloaded module under ``root``."""
+    hooks_module = sys.modules["accelerate.hooks"]
+    found = []
+    for name, module in root.named_modules():
+        hook = _offloaded_with_meta(module, hooks_module)
+        if hook is not None:
+            found.append((name, module, hook))
+    return found
+
+
+def _collapsed_names(root: Any, offloaded: List[Tuple[str, Any, Any]]) -> List[str]:
+    """The highest modules whose every tensor is offloaded: "layers.2" rather than its nine
+    linears and norms."""
+    offloaded_names = {name for name, _, _ in offloaded}
+
+    def fully_offloaded(name: str, module: Any) -> bool:
+        tensors = [*module.parameters(), *module.buffers()]
+        return bool(tensors) and all(t.is_meta for t in tensors) and any(
+            n == name or n.startswith(name + ".") or not name for n in offloaded_names)
+
+    found: List[str] = []
+
+    def visit(name: str, module: Any) -> None:
+        if fully_offloaded(name, module):
+            found.append(name or f"the whole {type(root).__name__}")
+            return
+        for child_name, child in module.named_children():
+            visit(f"{name}.{child_name}" if name else child_name, child)
+
+    visit("", root)
+    return found or sorted(offloaded_names)
+
+
+def _storage(hook: Any) -> str:
+    """"disk" or "cpu" for an offload hook's weights_map, when accelerate's loader tells."""
+    weights = getattr(hook, "weights_map", None)
+    loader = getattr(weights, "dataset", None)
+    index = getattr(loader, "index", None)
+    if index:
+        prefix = getattr(weights, "prefix", "")
+        if any(key.startswith(prefix) for key in index):
+            return "disk"
+    return "cpu" if weights is not None else "the offload store"
+
+
+def _caller() -> str:
+    """The first frame outside torch.nn and this module: who asked for the move."""
+    frame = sys._getframe(2)
+    here = __file__.rstrip("c")
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        outside = filename != here and not filename.replace("\\", "/").endswith("torch/nn/modules/module.py")
+        if outside and frame.f_code.co_name not in _DEVICES:  # skip subclass overrides of .to/.cuda
+            parts = filename.replace("\\", "/").split("/")
+            short = "/".join(parts[-2:])
+            return f"{short}:{frame.f_lineno} in {frame.f_code.co_name}"
+        frame = frame.f_back
+    return "unknown"
+
+
+def _refusal(root: Any, call: str, device: str, offloaded: List[Tuple[str, Any, Any]]) -> OffloadedMoveError:
+    names = _collapsed_names(root, offloaded)
+    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    places = sorted({_storage(hook) for _, _, hook in offloaded})
+    return OffloadedMoveError(
+        f"metapatch: {type(root).__name__}.{call} would move to {device} weights that accelerate "
+        f"offloaded to {' and '.join(places)}: {shown}. Their parameters stay on the meta device and are "
+        f"loaded only for each forward pass, so there is nothing to copy (torch would fail with \"Cannot "
+        f"copy out of meta tensor; no data!\"). The model was left unchanged and still runs as dispatched.\n"
+        f"What to do: choose the placement when loading, e.g. from_pretrained(..., device_map=\"{device}\") "
+        f"when the model fits there, or device_map=\"auto\" with max_memory=...; to run the model, move "
+        f"only the inputs: inputs.to(model.device). Do not use to_empty(): it would discard the offloaded "
+        f"weights.\n(called from {_caller()}; raised by metapatch patch {PATCH_ID!r}, "
+        f"METAPATCH_DISABLE={PATCH_ID} turns it off)")
+
+
+def _refuse_if_offloaded(module: Any, method: str, args: tuple, kwargs: dict, device: str) -> None:
+    if device.startswith("meta") or not _any_offloaded(module):
+        return  # moving to meta never needs the data
+    call = f"{method}({_call_args(args, kwargs)})"
+    raise _refusal(module, call, device, _offloaded_modules(module))
+
+
+def _guard(method: str, target_device: Callable[[tuple, dict], Optional[str]]) -> Callable[[Any], Any]:
+    # A plain function, not a wrapt proxy: .to is called very often and must stay a cheap call.
+    def factory(original: Any) -> Any:
+        @functools.wraps(original)
+        def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if "accelerate.hooks" in sys.modules:
+                device = target_device(args, kwargs)
+                if device is not None:
+                    _refuse_if_offloaded(self, method, args, kwargs, device)
+            return original(self, *args, **kwargs)
+
+        return guarded
+
+    return factory
+
+
+def _call_args(args: tuple, kwargs: dict) -> str:
+    return ", ".join([*(repr(a) for a in args), *(f"{k}={v!r}" for k, v in kwargs.items())])
+
+
+_MODULE = "torch.nn.modules.module"
+_FINGERPRINTS = {
+    # torch 2.13.0, the same in every matrix environment
+    "to": ("d370dbc824384755",),
+    "cuda": ("5717f31067ea014b",),
+    "cpu": ("5f2d30e3d3ed02a5",),
+    "xpu": ("d0bc827a24b4ad12",),
+    "ipu": ("11bb7e5336831f03",),
+    "mtia": ("30bc47bf1b0766bd",),
+}
+_DEVICES = {
+    "to": _to_device,
+    "cuda": _accelerator_device("cuda"),
+    "cpu": _cpu_device,
+    "xpu": _accelerator_device("xpu"),
+    "ipu": _accelerator_device("ipu"),
+    "mtia": _accelerator_device("mtia"),
+}
+
+PATCH = Patch(
+    id=PATCH_ID,
+    title="Clear error when a model with accelerate-offloaded weights (or a submodule, or a PeftModel) is moved to a device",
+    # accelerate's own guard (instance attributes set by dispatch_model) covers only the top-level
+    # model.to/.cuda; measured on 1.13.0 and 1.15.0. No release guards more: the range stays open.
+    affects={"accelerate": ">=1.13"},
+    targets=tuple(
+        Target(_MODULE, f"Module.{method}", fingerprints=_FINGERPRINTS[method], replacement=_guard(method, _DEVICES[method]))
+        for method in ("to", "cuda", "cpu", "xpu", "ipu", "mtia")
+    ),
+    upstream=Upstream(
+        bug=("https://github.com/huggingface/accelerate/issues?q=%22Cannot+copy+out+of+meta+tensor%22",),
+        forwarded="no",
+        note="upstream fix: offload hooks guard their module's _apply, so every path (submodule .to, "
+             "Module.to(model), .cpu(), PeftModel.to, other accelerators) gets a clear error",
+    ),
+    diffs=("upstream_diffs/offloaded-move-guard/accelerate.diff",),
+    selftest="metapatch.selftest.offloaded_move",
+)

@@ -1,0 +1,163 @@
+"""`metapatch selftest` and `metapatch doctor`, run as users run them (a subprocess), plus the
+verdict logic on constructed outcomes. Only offloaded-move-guard's own scenarios are used, so these
+tests do not depend on which other patches ship."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import metapatch
+from metapatch.commands import doctor, selftest
+from metapatch.patches.offloaded_move_guard import PATCH
+from metapatch.selftest import all_scenarios, scenarios_for
+
+ROOT = Path(__file__).resolve().parents[1]
+AFFECTED = metapatch.registry._gate(PATCH)[0]
+
+
+def _cli(*args, cwd=None, timeout=600):
+    env_path = str(ROOT)
+    import os
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [env_path, os.environ.get("PYTHONPATH")])))
+    env.pop("METAPATCH_DISABLE", None)
+    return subprocess.run([sys.executable, "-m", "metapatch", *args], capture_output=True, text=True,
+                          cwd=cwd or ROOT, env=env, timeout=timeout)
+
+
+# -- selftest -------------------------------------------------------------------------------------
+
+
+def test_selftest_json_on_the_failing_scenario():
+    proc = _cli("selftest", "--json", "--scenario", "offloaded-move-guard/move-offloaded-submodule")
+    data = json.loads(proc.stdout)
+    (row,) = data["rows"]
+    assert row["scenario"] == "offloaded-move-guard/move-offloaded-submodule"
+    assert row["affected"] is AFFECTED
+    assert row["installed"]["accelerate"] == metapatch.registry._version("accelerate")
+    assert row["patched"]["passed"] and row["patched"]["max_abs_diff"] == 0
+    assert row["patched"]["patch_state"] == ("applied" if AFFECTED else "not-affected")
+    assert row["unpatched"]["patch_state"] == "disabled"
+    if AFFECTED:
+        assert row["unpatched"]["error_type"] == "NotImplementedError" and row["verdict"] == "fixed"
+    assert row["seconds"] >= row["unpatched"]["seconds"] + row["patched"]["seconds"] - 0.01 > 0
+    assert proc.returncode == data["exit_code"] == 0, proc.stderr[-3000:]
+
+
+def test_selftest_table_names_every_column():
+    proc = _cli("selftest", "--scenario", "moves-that-keep-working")
+    lines = proc.stdout.splitlines()
+    assert lines[0].split() == ["SCENARIO", "AFFECTED", "UNPATCHED", "PATCHED", "SECONDS", "VERDICT"]
+    row = next(line for line in lines if line.startswith("offloaded-move-guard/moves-that-keep-working"))
+    assert "passes" in row and "pass, max diff 0" in row and ("yes" in row or "no" in row)
+    seconds = float(row.split("]")[-1].split()[0])
+    assert seconds > 0
+    assert lines[-1].startswith("1 scenarios in") and "fixes every affected scenario" in lines[-1]
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+
+
+def test_selftest_unknown_selection_is_an_error():
+    proc = _cli("selftest", "--patch", "no-such-patch")
+    assert proc.returncode == 2 and "no scenario matches --patch no-such-patch" in proc.stderr
+
+
+def test_selection_by_patch_and_slow_flag():
+    scenarios = all_scenarios()
+    mine = selftest.select(scenarios, [PATCH.id], [], include_slow=False)
+    assert mine and {s.patch_id for s in mine} == {PATCH.id}
+    assert [s.key for s in mine] == [s.key for s in scenarios_for(PATCH.id) if s.in_selftest]
+    everything = selftest.select(scenarios, [], [], include_slow=True)
+    assert len(everything) == len(scenarios)
+    assert all(s.in_selftest for s in selftest.select(scenarios, [], [], include_slow=False))
+
+
+def _row(affected, expected, unpatched_passed, patched_passed):
+    row = selftest.Row("p/s", "p", "", affected, "gate", expected_error=expected)
+    row.unpatched = {"passed": unpatched_passed, "error_type": None if unpatched_passed else "NotImplementedError"}
+    row.patched = {"passed": patched_passed, "error_type": None if patched_passed else "AssertionError",
+                   "error": "x", "traceback_tail": "", "max_abs_diff": 0.0}
+    return selftest.judge(row)
+
+
+@pytest.mark.parametrize("affected, expected, unpatched, patched, verdict, ok", [
+    (True, "NotImplementedError", False, True, "fixed", True),
+    (True, "NotImplementedError", True, True, "not reproduced", True),
+    (True, "NotImplementedError", False, False, "FAILED", False),
+    (False, "NotImplementedError", True, True, "passes", True),      # unaffected install, bug absent: fine
+    (False, "NotImplementedError", False, True, "BUG OUTSIDE GATE", False),
+    (False, "NotImplementedError", False, False, "FAILED", False),
+    (True, "", True, True, "passes", True),                           # a regression guard
+    (True, "", True, False, "FAILED", False),
+])
+def test_verdicts_and_exit_code(affected, expected, unpatched, patched, verdict, ok):
+    row = _row(affected, expected, unpatched, patched)
+    assert (row.verdict, row.ok) == (verdict, ok)
+    assert selftest.exit_code([_row(True, "E", False, True), row]) == (0 if ok else 1)
+
+
+# -- doctor ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    pytest.importorskip("transformers")
+    from metapatch.selftest._models import save_tiny_llama
+
+    return save_tiny_llama(tmp_path_factory.mktemp("doctor") / "ckpt")
+
+
+def _hashes(folder: Path):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def test_doctor_auto_map_with_max_memory_offloads_and_runs(checkpoint, tmp_path):
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    before = _hashes(checkpoint)
+    proc = _cli("doctor", str(checkpoint), "--device-map", "auto", "--max-memory", "cpu=300KB",
+                "--offload-folder", str(tmp_path / "offload"), "--json", cwd=cwd)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    data = json.loads(proc.stdout)
+    assert data["loaded"] and data["forward"]["ran"] and data["forward"]["finite"]
+    assert data["forward"]["shape"] == [1, 8, 128]
+    assert "disk" in data["hf_device_map"].values()
+    assert [f["code"] for f in data["report"]["findings"]] == ["offloaded"]
+    assert data["report"]["ok"] is True
+    assert _hashes(checkpoint) == before, "doctor changed the checkpoint"
+    assert list(cwd.iterdir()) == [], "doctor wrote into the working directory"
+
+
+def test_doctor_reports_meta_model_device_and_exits_1(checkpoint, tmp_path):
+    device_map = {"model.embed_tokens": "disk", "model.rotary_emb": "cpu", "model.layers": "cpu",
+                  "model.norm": "cpu", "lm_head": "cpu"}
+    proc = _cli("doctor", str(checkpoint), "--device-map", json.dumps(device_map),
+                "--offload-folder", str(tmp_path / "offload"))
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
+    assert "[error] model-device-meta" in proc.stdout
+    assert "inputs.to('cpu')" in proc.stdout
+    assert "forward pass: ok" in proc.stdout  # the model runs; the report is about inputs.to(model.device)
+
+
+def test_doctor_rejects_bad_arguments(tmp_path):
+    proc = _cli("doctor", str(tmp_path), "--device-map", "{not json")
+    assert proc.returncode == 2 and "config.json" in proc.stderr  # checked before the map
+    (tmp_path / "config.json").write_text("{}")
+    proc = _cli("doctor", str(tmp_path), "--device-map", "{not json")
+    assert proc.returncode == 2 and "--device-map is not valid JSON" in proc.stderr
+
+
+def test_argument_parsers():
+    assert doctor.parse_max_memory("cpu=2GiB, 0=20GiB") == {"cpu": "2GiB", 0: "20GiB"}
+    assert doctor.parse_max_memory(None) is None
+    with pytest.raises(metapatch.MetapatchError, match="DEVICE=SIZE"):
+        doctor.parse_max_memory("cpu:2GiB")
+    assert doctor.parse_device_map("auto") == "auto"
+    assert doctor.parse_device_map('{"model": "0", "lm_head": "cpu"}') == {"model": 0, "lm_head": "cpu"}
+    with pytest.raises(metapatch.MetapatchError, match="object"):
+        doctor.parse_device_map('["cpu"]')
