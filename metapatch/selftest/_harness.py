@@ -9,6 +9,7 @@ import pkgutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -94,21 +95,72 @@ def run_scenario(
         workdir = Path(tmp) / "work"
         workdir.mkdir()
         started = time.perf_counter()
-        try:
-            proc = subprocess.run(
-                [sys.executable, "-m", "metapatch.selftest._child", scenario.function, str(workdir), str(result_file)],
-                env=child_env, cwd=cwd or tmp, capture_output=True, text=True, timeout=timeout,
-            )
-            stderr = proc.stderr
-        except subprocess.TimeoutExpired as exc:
-            return Outcome(scenario.key, patched, False, "TimeoutExpired", f"no result after {timeout} s",
-                           seconds=time.perf_counter() - started, stderr_tail=str(exc.stderr or "")[-4000:])
+        warm = None if pythonpath else _warm_parent()
+        if warm is not None:
+            rc, timed_out, stderr = warm.run(scenario.function, workdir, result_file, child_env, cwd or tmp, timeout, Path(tmp))
+        else:
+            rc, timed_out, stderr = _run_fresh(scenario.function, workdir, result_file, child_env, cwd or tmp, timeout)
         seconds = time.perf_counter() - started
+        if timed_out:
+            return Outcome(scenario.key, patched, False, "TimeoutExpired", f"no result after {timeout} s",
+                           seconds=seconds, stderr_tail=stderr[-4000:])
         if not result_file.exists():
             return Outcome(scenario.key, patched, False, "ChildCrashed",
-                           f"exit code {proc.returncode}, no result written", seconds=seconds,
-                           stderr_tail=stderr[-4000:])
+                           f"exit code {rc}, no result written", seconds=seconds, stderr_tail=stderr[-4000:])
         data = json.loads(result_file.read_text())
     return Outcome(scenario.key, patched, data["passed"], data.get("error_type"), data.get("error"),
                    data.get("traceback", ""), data.get("metrics", {}), seconds, stderr[-4000:],
                    data.get("metapatch_status", {}))
+
+
+def _run_fresh(function: str, workdir: Path, result_file: Path, env: Mapping[str, str], cwd: str,
+               timeout: float) -> "tuple[int, bool, str]":
+    try:
+        proc = subprocess.run([sys.executable, "-m", "metapatch.selftest._child", function, str(workdir), str(result_file)],
+                              env=dict(env), cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        return -9, True, str(exc.stderr or "")
+    return proc.returncode, False, proc.stderr
+
+
+class _WarmParent:
+    """A long-lived interpreter with torch imported that forks one child per run (see _zygote)."""
+
+    def __init__(self) -> None:
+        here = Path(__file__).resolve()
+        env = dict(os.environ, METAPATCH_ZYGOTE_REPO=str(here.parents[2]))
+        env.pop("PYTHONPATH", None)
+        self.proc = subprocess.Popen([sys.executable, str(here.with_name("_zygote.py"))], env=env, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        if json.loads(self.proc.stdout.readline() or "{}").get("ready") is not True:
+            raise RuntimeError("the warm parent did not start")
+        self.lock = threading.Lock()  # one request/reply at a time on the pipe
+
+    def run(self, function: str, workdir: Path, result_file: Path, env: Mapping[str, str], cwd: str,
+            timeout: float, tmp: Path) -> "tuple[int, bool, str]":
+        log = tmp / "child.log"
+        request = {"function": function, "workdir": str(workdir), "result": str(result_file), "env": dict(env),
+                   "cwd": cwd, "timeout": timeout, "log": str(log)}
+        with self.lock:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            reply = json.loads(self.proc.stdout.readline())
+        return reply["rc"], reply["timed_out"], log.read_text(errors="replace") if log.exists() else ""
+
+
+_WARM: Optional[_WarmParent] = None
+
+
+def _warm_parent() -> Optional[_WarmParent]:
+    """The shared warm parent, or None where forking is off (METAPATCH_SELFTEST_FORK=0), impossible
+    (no os.fork) or broken - then every run starts a fresh interpreter, slower but equivalent."""
+    global _WARM
+    if os.environ.get("METAPATCH_SELFTEST_FORK", "1") == "0" or not hasattr(os, "fork"):
+        return None
+    if _WARM is not None and _WARM.proc.poll() is None:
+        return _WARM
+    try:
+        _WARM = _WarmParent()
+    except Exception:  # noqa: BLE001 - torch missing or the parent failed: fall back, do not fail
+        _WARM = None
+    return _WARM
