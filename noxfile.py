@@ -29,9 +29,12 @@ def tests(session, env):
     versions = MATRIX[env]
     session.install(f"torch=={TESTED['COMMON']['torch']}")  # first, alone, so nothing else can pick a CUDA build
     session.install(*COMMON, *(f"{dist}=={ver}" for dist, ver in versions.items()), "safetensors",
-                    "pytest>=8", "hypothesis>=6", "parameterized")
+                    "pytest>=8", "pytest-xdist", "hypothesis>=6", "parameterized")
     session.install("-e", ".")  # with its own dependencies (wrapt, packaging); the stack is pinned above
     session.env["METAPATCH_STRICT"] = "1"
     session.run("python", "-m", "pip", "list", "--format=freeze", silent=False)
     session.run("metapatch", "status", "--import-targets")
-    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *session.posargs)
+    # Two workers for two cores; a file's tests stay on one worker, so a test that watches the
+    # working directory never sees another test's files.
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadfile",
+                *session.posargs)
