@@ -1,0 +1,78 @@
+"""accelerate's ``attach_execution_device_hook`` decides whether a module is empty by counting its
+tensors instead of calling ``module.state_dict()``.
+
+Serializing a module just to test ``len(...) > 0`` runs every custom ``_save_to_state_dict`` in
+the subtree on every dispatch, on modules whose siblings were already offloaded to meta: for
+bitsandbytes ``Linear4bit`` that is ``QuantState.as_dict`` -> ``offset.item()`` on a meta tensor
+("Tensor.item() cannot be called on meta tensors"). The replacement keeps the upstream body and
+changes only the probe; a module counts as non-empty exactly when ``state_dict()`` would hold a
+parameter or a persistent buffer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from metapatch._records import Patch, Target, Upstream
+
+
+def holds_state_tensors(module: Any) -> bool:
+    """True when ``module.state_dict()`` would contain a parameter or persistent buffer."""
+    for sub in module.modules():
+        if any(p is not None for p in sub._parameters.values()):
+            return True
+        persistent_off = sub._non_persistent_buffers_set
+        if any(b is not None and name not in persistent_off for name, b in sub._buffers.items()):
+            return True
+    return False
+
+
+def build_attach_execution_device_hook(original: Callable[..., Any]) -> Callable[..., Any]:
+    import accelerate.hooks as hooks
+
+    def attach_execution_device_hook(module, execution_device, skip_keys=None, preload_module_classes=None,
+                                     tied_params_map=None):
+        if not hasattr(module, "_hf_hook") and holds_state_tensors(module):
+            hooks.add_hook_to_module(
+                module,
+                hooks.AlignDevicesHook(execution_device, skip_keys=skip_keys, tied_params_map=tied_params_map),
+            )
+        if preload_module_classes is not None and module.__class__.__name__ in preload_module_classes:
+            return
+        for child in module.children():
+            # Through the module attribute, as upstream's recursion does: an unpatch takes effect.
+            hooks.attach_execution_device_hook(
+                child,
+                execution_device,
+                skip_keys=skip_keys,
+                preload_module_classes=preload_module_classes,
+                tied_params_map=tied_params_map,
+            )
+
+    attach_execution_device_hook.__doc__ = original.__doc__
+    attach_execution_device_hook.__wrapped__ = original
+    attach_execution_device_hook.__module__ = original.__module__
+    attach_execution_device_hook.__qualname__ = original.__qualname__
+    return attach_execution_device_hook
+
+
+PATCH = Patch(
+    id="accelerate-emptiness-probe",
+    title="accelerate's attach_execution_device_hook counts tensors instead of calling state_dict()",
+    # The state_dict() probe is in every 1.x release. The source fingerprint is the same in 1.6.0,
+    # 1.10.0, 1.12.0, 1.13.0 and 1.15.0 (the latest); 1.0.0 differs (its recursion drops
+    # preload_module_classes), so there the patch reports itself stale rather than change more
+    # than the probe. No release fixes it: upper end open.
+    affects={"accelerate": ">=1.0.0"},
+    targets=(
+        Target("accelerate.hooks", "attach_execution_device_hook", fingerprints=("6496acf3fbf8dc5e",),
+               replacement=build_attach_execution_device_hook),
+    ),
+    upstream=Upstream(
+        bug=("https://discuss.huggingface.co/t/cpu-offloading-error-scenario/175522",),
+        forwarded="no",
+        note="No upstream issue found filed; accelerate 1.15.0 (latest) is affected.",
+    ),
+    diffs=("upstream_diffs/accelerate-emptiness-probe/accelerate.diff",),
+    selftest="metapatch.selftest.bnb_offload",
+)
