@@ -1,0 +1,63 @@
+"""DiffusionGemma's decoder reads ``embed_tokens.weight`` directly, outside the embedding's own forward
+(the self-conditioning soft embeddings). With the embedding offloaded (disk, or cpu offload on a GPU
+machine) accelerate has put that weight back on meta by then, so denoising steps after the first
+compute on a meta weight and ``generate()`` fails ("probability tensor contains either inf, nan ...").
+Seen with accelerate 1.13 (transformers 5.11) once the tied-device-map patches let such a model
+dispatch at all. The fix keeps the embedding's offloaded weight materialised for the duration of the
+decoder's forward and offloads it again afterwards.
+"""
+
+from __future__ import annotations
+
+from .._records import Patch, Target, Upstream
+
+PATCH_ID = "diffusion-gemma-offloaded-embeddings"
+
+
+def _offload_hooks(module):
+    from accelerate.hooks import AlignDevicesHook, SequentialHook
+
+    hook = getattr(module, "_hf_hook", None)
+    hooks = hook.hooks if isinstance(hook, SequentialHook) else [hook]
+    return [h for h in hooks if isinstance(h, AlignDevicesHook) and h.offload]
+
+
+def _decoder_forward(wrapped, instance, args, kwargs):
+    embed = getattr(instance, "embed_tokens", None)
+    hooks = _offload_hooks(embed) if embed is not None and hasattr(embed, "_hf_hook") else []
+    if not hooks:
+        return wrapped(*args, **kwargs)
+    for hook in hooks:
+        hook.pre_forward(embed)  # materialise the weight on the execution device
+        hook.offload = False     # so the embedding's own forward does not offload it mid-way
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        for hook in hooks:
+            hook.offload = True
+            hook.post_forward(embed, None)
+
+
+PATCH = Patch(
+    id=PATCH_ID,
+    title="DiffusionGemma generate() with an offloaded embedding: the decoder's direct embed_tokens.weight read sees the real weight",
+    affects={"transformers": ">=5.11.0"},
+    targets=(
+        Target(
+            "transformers.models.diffusion_gemma.modeling_diffusion_gemma", "DiffusionGemmaDecoderModel.forward",
+            fingerprints=(
+                "7437510428ee6ce6",  # 5.11.0
+                "5ddcfa43de72bb1d",  # 5.24.0
+            ),
+            wrapper=_decoder_forward,
+        ),
+    ),
+    upstream=Upstream(
+        bug=("https://github.com/huggingface/transformers/pull/46625",),
+        forwarded="no",
+        note="The decoder should embed soft tokens through embed_tokens' forward (or force_accelerate_hooks); "
+             "see the upstream diff.",
+    ),
+    diffs=("upstream_diffs/diffusion-gemma-offloaded-embeddings/transformers.diff",),
+    selftest="metapatch.selftest.tied_device_map",
+)

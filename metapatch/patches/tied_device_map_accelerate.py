@@ -1,0 +1,114 @@
+"""accelerate's ``infer_auto_device_map`` (what PEFT's re-dispatch and ``load_checkpoint_and_dispatch``
+call) made aware of declared tied weights, regex-expanded by transformers.
+
+Upstream finds ties by tensor identity only: on a meta model built before ``tie_weights`` it sees no
+ties, counts every tied copy in full and may split a group across devices; on a tied DiffusionGemma
+its ``get_module_size_with_ties`` raises ``IndexError`` once a tied member was placed before its
+group's source. The fix is the one the transformers side uses (metapatch._tied_groups): upstream's
+allocator runs on the tie-free problem, each group counted once at its source, then the tied copies
+join their source's device within the budgets. Where every group is already one tensor and upstream's
+map is sound, upstream's map is returned unchanged (accelerate's own tests expect its exact maps).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Dict
+
+from .._records import Patch, Target, Upstream
+
+PATCH_ID = "tied-device-map-accelerate"
+
+_SIGNATURES: Dict[Any, inspect.Signature] = {}
+
+
+def _arguments(func: Any, args: tuple, kwargs: dict) -> Dict[str, Any]:
+    signature = _SIGNATURES.get(func)
+    if signature is None:
+        signature = _SIGNATURES[func] = inspect.signature(func)
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def _infer_auto_device_map(wrapped, instance, args, kwargs):
+    from .. import _tied_groups as tg
+
+    call = _arguments(wrapped, args, kwargs)
+    model = call["model"]
+    parameters: Dict[str, Any] = {}
+    groups = tg.tied_groups(model, parameters=parameters)
+    if not groups:
+        return wrapped(*args, **kwargs)
+
+    upstream = wrapped.__globals__
+    if tg.all_tied_identically(model, groups, parameters) and tg.sources_come_first(groups, parameters):
+        # Upstream sees these ties; keep its map wherever it is right.
+        try:
+            device_map = wrapped(*args, **kwargs)
+        except IndexError:  # get_module_size_with_ties, once a group member was placed before its source
+            device_map = None
+        if device_map is not None:
+            budgets = upstream["get_max_memory"](dict(call["max_memory"]) if call.get("max_memory") else None)
+            if tg.map_is_sound(model, device_map, groups, budgets):
+                return device_map
+    seen: Dict[str, Any] = {}
+
+    def compute_module_sizes(module, dtype=None, special_dtypes=None, buffers_only=False):
+        sizes = upstream["compute_module_sizes"](module, dtype=dtype, special_dtypes=special_dtypes,
+                                                 buffers_only=buffers_only)
+        if module is model and not buffers_only:
+            def tensor_bytes(name: str) -> int:
+                param = model.get_parameter(name)
+                return int(param.numel() * param.element_size())
+            tg.dedupe_tied_sizes(sizes, groups, tensor_bytes)
+            seen["sizes"] = sizes
+        return sizes
+
+    def get_max_memory(max_memory=None):
+        seen["budgets"] = budgets = upstream["get_max_memory"](max_memory)
+        return budgets
+
+    tie_free = tg.clone_with_globals(wrapped, {
+        "compute_module_sizes": compute_module_sizes,
+        "get_max_memory": get_max_memory,
+        # The groups are handled after allocation; upstream must neither see nor warn about them.
+        "find_tied_parameters": lambda *a, **k: [],
+        "check_tied_parameters_in_config": lambda *a, **k: False,
+    }, also_clone=("_init_infer_auto_device_map",))
+    clean = call.get("clean_result", True)
+    call["clean_result"] = False
+    raw = tie_free(**call)
+
+    budgets = seen["budgets"]
+    placement = tg.Placement(model, raw, groups, sizes=seen["sizes"], budgets=budgets,
+                             devices=list(budgets) + ["disk"],
+                             no_split=call.get("no_split_module_classes") or ())
+    device_map = upstream["OrderedDict"](placement.repair())
+    if clean:
+        device_map = upstream["clean_device_map"](device_map)
+    return device_map
+
+
+PATCH = Patch(
+    id=PATCH_ID,
+    title="accelerate infer_auto_device_map keeps declared (regex-expanded) tied groups together, counted once",
+    affects={"accelerate": ">=1.0.0"},
+    targets=(
+        Target(
+            "accelerate.utils.modeling", "infer_auto_device_map",
+            fingerprints=("f6bbd1fa22fcc611",),  # accelerate 1.13.0, 1.15.0
+            wrapper=_infer_auto_device_map,
+            aliases=("accelerate:infer_auto_device_map", "accelerate.utils:infer_auto_device_map",
+                     "accelerate.big_modeling:infer_auto_device_map", "peft.peft_model:infer_auto_device_map"),
+        ),
+    ),
+    upstream=Upstream(
+        bug=("https://github.com/huggingface/transformers/pull/46625",),
+        forwarded="no",
+        note="Not fixed in accelerate 1.15.0 (latest checked): ties by identity only, IndexError in "
+             "get_module_size_with_ties once a tied member is placed before its source.",
+    ),
+    diffs=("upstream_diffs/tied-device-map-accelerate/accelerate.diff",),
+    selftest="metapatch.selftest.tied_device_map",
+)

@@ -1,0 +1,56 @@
+"""Disk-offloaded tied copies get an offload-index entry (transformers before 5.24).
+
+When a tied group is offloaded to disk, only its source is in the checkpoint, so
+``accelerate_disk_offload`` indexes only the source's name; the offload hook of the tied copy (e.g.
+DiffusionGemma's ``model.encoder.language_model.embed_tokens``) then looks its own name up and fails
+with ``KeyError`` at the first forward. transformers 5.24 adds the tied names to the index (for
+declared ties); this backports that, for declared and identity ties alike.
+"""
+
+from __future__ import annotations
+
+from .._records import Patch, Target, Upstream
+
+PATCH_ID = "tied-device-map-disk-index"
+
+
+def _accelerate_disk_offload(wrapped, instance, args, kwargs):
+    from .. import _tied_groups as tg
+
+    index = wrapped(*args, **kwargs)
+    model = kwargs.get("model", args[0] if args else None)
+    if not index or model is None:
+        return index
+    for group in tg.tied_groups(model):
+        entry = next((index[m] for m in group if m in index), None)
+        if entry is not None:
+            for member in group:
+                index.setdefault(member, entry)
+    return index
+
+
+PATCH = Patch(
+    id=PATCH_ID,
+    title="disk-offloaded tied weights (DiffusionGemma's encoder stack) get offload-index entries: no KeyError at forward",
+    affects={"transformers": ">=5.0.0.dev0,<5.24.0"},
+    targets=(
+        Target(
+            "transformers.integrations.accelerate", "accelerate_disk_offload",
+            fingerprints=(
+                "c2a3fd987850bdc8",  # 5.7.0
+                "c8c934bc2efad96b",  # 5.11.0
+            ),
+            wrapper=_accelerate_disk_offload,
+            aliases=("transformers.modeling_utils:accelerate_disk_offload",),
+        ),
+    ),
+    upstream=Upstream(
+        bug=("https://github.com/huggingface/transformers/pull/46625",),
+        forwarded="not-needed",
+        fixed_in={"transformers": "5.24.0"},
+        note="transformers 5.24.0 indexes disk-offloaded tied weights (first release checked with the fix; "
+             "releases between 5.12 and 5.24 were not checked and report stale if their code differs).",
+    ),
+    diffs=(),
+    selftest="metapatch.selftest.tied_device_map",
+)

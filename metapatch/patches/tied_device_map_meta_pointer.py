@@ -1,0 +1,46 @@
+"""Offloaded tied weights no longer share one cache slot (accelerate before 1.15).
+
+``dispatch_model`` keys its cache of materialised tied parameters by ``data_ptr()``. Every meta
+tensor reports pointer 0, so when several tied groups are offloaded together (DiffusionGemma's
+encoder/decoder stack on disk) they all share the slot ``0``: the first weight materialised (the
+embedding) is handed to every other tied module, and the first forward fails with a shape error or,
+worse, computes with the wrong weight. accelerate 1.15 skips meta tensors when building the cache;
+this drops the shared ``0`` slot before the hooks are attached, which is the same thing.
+"""
+
+from __future__ import annotations
+
+from .._records import Patch, Target, Upstream
+
+PATCH_ID = "tied-device-map-meta-pointer"
+
+
+def _attach_align_device_hook_on_blocks(wrapped, instance, args, kwargs):
+    tied_params_map = kwargs.get("tied_params_map")
+    if isinstance(tied_params_map, dict):
+        tied_params_map.pop(0, None)  # the pointer of every meta tensor, never a real allocation
+    return wrapped(*args, **kwargs)
+
+
+PATCH = Patch(
+    id=PATCH_ID,
+    title="offloaded tied weights get their own values, not the first tied weight loaded (meta pointer 0)",
+    affects={"accelerate": ">=1.0.0,<1.15.0"},
+    targets=(
+        Target(
+            "accelerate.hooks", "attach_align_device_hook_on_blocks",
+            fingerprints=("a26f68e39cdf4503",),  # accelerate 1.13.0
+            wrapper=_attach_align_device_hook_on_blocks,
+            aliases=("accelerate.big_modeling:attach_align_device_hook_on_blocks",),
+        ),
+    ),
+    upstream=Upstream(
+        bug=("https://github.com/huggingface/accelerate/pull/4083",),
+        forwarded="not-needed",
+        fixed_in={"accelerate": "1.15.0"},
+        note="accelerate 1.15.0 skips meta tensors when building tied_params_map (first release checked with "
+             "the fix; 1.14 was not checked and reports stale if its code differs).",
+    ),
+    diffs=(),
+    selftest="metapatch.selftest.tied_device_map",
+)

@@ -1,0 +1,229 @@
+"""transformers' own ``infer_auto_device_map`` and ``from_pretrained``'s device-map step, made aware of
+regex-declared tied weights (DiffusionGemma ties its encoder's whole text stack to the decoder).
+
+Upstream, with ``all_tied_weights_keys`` expanded from regex patterns:
+
+* ``compute_module_sizes`` skips tied targets by name, but on an already-tied model the target is the
+  name ``named_parameters`` yields first, so the whole tied stack is counted as 0 bytes (budgets are
+  overrun); on 5.11-5.12 ``get_module_size_with_ties`` instead adds the tied module once per tied
+  parameter, nothing fits and the map is ``{"": "disk"}``, which ``from_pretrained`` never dispatches
+  (every weight stays on meta);
+* in every release up to the latest, ``get_module_size_with_ties`` raises ``IndexError`` once a
+  tied member was placed before its group's source (small budgets);
+* an explicit map that puts a tied target and its source on different devices fails in dispatch
+  (``weight is on the meta device``).
+
+The fix keeps upstream's own map where it is right (5.13+: every group on one device, every budget
+kept, tied tensors counted once); otherwise it runs upstream's allocator on the tie-free problem
+(each group counted once, at its source), then moves tied copies to their source's device within the
+budgets (metapatch._tied_groups). An explicit map that splits a group is repaired the same way, with a
+warning naming the pairs. On 5.11-5.12, whose ``from_pretrained`` never dispatches a map that is all
+disk, one small module with no tie crossing it is kept on cpu (within the cpu budget).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Dict, Optional
+
+from .._records import Patch, Target, Upstream
+
+PATCH_ID = "tied-device-map-transformers"
+
+_SIGNATURES: Dict[Any, inspect.Signature] = {}
+
+
+def _arguments(func: Any, args: tuple, kwargs: dict) -> Dict[str, Any]:
+    signature = _SIGNATURES.get(func)
+    if signature is None:
+        signature = _SIGNATURES[func] = inspect.signature(func)
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def _tensor_bytes(model: Any, hf_quantizer: Any, parameters: Optional[Dict[str, Any]] = None):
+    def size(name: str) -> int:
+        param = parameters[name] if parameters else model.get_parameter(name)
+        element = hf_quantizer.param_element_size(model, name, param) if hf_quantizer is not None \
+            else param.element_size()
+        return int(param.numel() * element)
+    return size
+
+
+def _infer_auto_device_map(wrapped, instance, args, kwargs):
+    from .. import _tied_groups as tg
+
+    call = _arguments(wrapped, args, kwargs)
+    model = call["model"]
+    parameters: Dict[str, Any] = {}
+    groups = tg.tied_groups(model, extra=[g for g in (call.get("tied_parameters") or ()) if g], parameters=parameters)
+    if not groups:
+        return wrapped(*args, **kwargs)
+
+    upstream = wrapped.__globals__
+    if _upstream_counts_each_tie_once() and tg.sources_come_first(groups, parameters):
+        # Keep upstream's own map wherever it is right; it only needs replacing when it fails.
+        try:
+            device_map = wrapped(*args, **kwargs)
+        except IndexError:  # get_module_size_with_ties, once a group member was placed before its source
+            device_map = None
+        if device_map is not None:
+            budgets = upstream["get_max_memory"](dict(call["max_memory"]) if call.get("max_memory") else None)
+            if tg.map_is_sound(model, device_map, groups, budgets):
+                return device_map
+
+    seen: Dict[str, Any] = {}
+
+    def compute_module_sizes(module, hf_quantizer=None, buffers_only=False, only_modules=True):
+        all_sizes, leaves = upstream["compute_module_sizes"](
+            module, hf_quantizer, buffers_only=buffers_only, only_modules=only_modules)
+        if module is model and not buffers_only and not only_modules:
+            tg.dedupe_tied_sizes(all_sizes, groups, _tensor_bytes(model, hf_quantizer, parameters))
+            seen["sizes"] = all_sizes
+        return all_sizes, leaves
+
+    def get_max_memory(max_memory=None):
+        seen["budgets"] = budgets = upstream["get_max_memory"](max_memory)
+        return budgets
+
+    tie_free = tg.clone_with_globals(
+        wrapped, {"compute_module_sizes": compute_module_sizes, "get_max_memory": get_max_memory},
+        also_clone=("_init_infer_auto_device_map",))
+    clean = call.get("clean_result", True)
+    call.update(tied_parameters=[[]], clean_result=False)
+    raw = tie_free(**call)
+
+    budgets = seen["budgets"]
+    placement = tg.Placement(model, raw, groups, sizes=seen["sizes"], budgets=budgets,
+                             devices=list(budgets) + ["disk"],
+                             no_split=call.get("no_split_module_classes") or ())
+    device_map = upstream["OrderedDict"](placement.repair())
+    if clean and call.get("no_placement_params") is None:
+        device_map = upstream["clean_device_map"](device_map)
+    return device_map
+
+
+def _upstream_counts_each_tie_once() -> bool:
+    """transformers 5.11-5.12 add a tied module's size once per tied parameter (fixed in 5.13 by
+    PR #46625): their own map is then too pessimistic to keep even when it is valid."""
+    return _transformers_at_least("5.13.0.dev0")
+
+
+def _transformers_at_least(version: str) -> bool:
+    import importlib.metadata
+
+    from packaging.version import Version
+
+    return Version(importlib.metadata.version("transformers")) >= Version(version)
+
+
+def _single_disk_maps_are_dispatched() -> bool:
+    """transformers before 5.13 dispatches only maps naming more than one device, so a map that
+    offloads everything to disk leaves every weight on meta."""
+    return _transformers_at_least("5.13.0.dev0")
+
+
+def _keep_one_module_on_cpu(model: Any, device_map: Dict[str, Any], groups, max_memory) -> Dict[str, Any]:
+    """Put the smallest module that holds no part of a tied group spanning it on cpu, within the cpu
+    budget, so that transformers < 5.13 dispatches the (otherwise all-disk) map."""
+    from .. import _tied_groups as tg
+
+    upstream = _integration()
+    sizes, _ = upstream.compute_module_sizes(model, only_modules=False)
+    tg.dedupe_tied_sizes(sizes, groups, _tensor_bytes(model, None))
+    cpu_budget = upstream.get_max_memory(dict(max_memory) if max_memory else None).get("cpu", 0)
+    no_split = set(getattr(model, "_no_split_modules", None) or ())
+    members = {m for g in groups for m in g}
+    best = None
+    for name, module in model.named_modules():
+        if not name:
+            continue
+        size = sizes.get(name, 0)
+        if size > cpu_budget or (best is not None and size >= best[1]):
+            continue
+        inside = {m for m in members if m.startswith(name + ".")}
+        if any(any(m not in inside for m in g) for g in groups if inside.intersection(g)):
+            continue
+        if any(parent and type(model.get_submodule(parent)).__name__ in no_split
+               for parent in _parents(name)):
+            continue
+        best = (name, size)
+    if best is None:
+        return device_map
+    placement = tg.Placement(model, device_map, groups)
+    while tg.entry_of(placement.map, best[0]) != best[0]:
+        if not placement._split(tg.entry_of(placement.map, best[0])):
+            return device_map
+    placement.map[best[0]] = "cpu"
+    return placement.map
+
+
+def _parents(name: str):
+    parts = name.split(".")
+    for i in range(1, len(parts)):
+        yield ".".join(parts[:i])
+
+
+def _integration():
+    import transformers.integrations.accelerate as integration
+
+    return integration
+
+
+def _get_device_map(wrapped, instance, args, kwargs):
+    from .. import _tied_groups as tg
+
+    call = _arguments(wrapped, args, kwargs)
+    requested = call.get("device_map")
+    device_map = wrapped(*args, **kwargs)
+    if not isinstance(device_map, dict) or not device_map:
+        return device_map
+    model = call["model"]
+    groups = tg.tied_groups(model)
+    if not groups:
+        return device_map
+    if isinstance(requested, dict):
+        placement = tg.Placement(model, device_map, groups, devices=tg.speed_order(device_map.values()))
+        repaired = placement.repair()
+        if placement.moves:
+            tg.warn_split_groups(placement.moves)
+            device_map = type(device_map)(repaired) if isinstance(device_map, dict) else repaired
+    if set(device_map.values()) == {"disk"} and not _single_disk_maps_are_dispatched():
+        device_map = _keep_one_module_on_cpu(model, dict(device_map), groups, call.get("max_memory"))
+    return device_map
+
+
+PATCH = Patch(
+    id=PATCH_ID,
+    title="transformers device maps keep regex-tied weight groups together, counted once (no IndexError, no all-meta model)",
+    affects={"transformers": ">=5.0.0.dev0"},
+    targets=(
+        Target(
+            "transformers.integrations.accelerate", "infer_auto_device_map",
+            fingerprints=(
+                "8529e05005ef1f07",  # 5.7.0, 5.11.0
+                "33c8ba8a0dd83ecb",  # 5.24.0
+            ),
+            wrapper=_infer_auto_device_map,
+        ),
+        Target(
+            "transformers.integrations.accelerate", "_get_device_map",
+            fingerprints=(
+                "d40b215dfa0ac8a9",  # 5.7.0, 5.11.0
+                "6dc74bd79a7ab756",  # 5.24.0
+            ),
+            wrapper=_get_device_map,
+            aliases=("transformers.modeling_utils:_get_device_map",),
+        ),
+    ),
+    upstream=Upstream(
+        bug=("https://github.com/huggingface/transformers/pull/46625",),
+        forwarded="no",
+        note="PR #46625 (5.13.0) fixed the over-count for 2 GPUs; the IndexError at small budgets, the "
+             "zero-byte count of an already-tied stack and explicit maps that split a tied group remain "
+             "in 5.24.0.",
+    ),
+    diffs=("upstream_diffs/tied-device-map-transformers/transformers.diff",),
+    selftest="metapatch.selftest.tied_device_map",
+)
