@@ -23,7 +23,7 @@ import json
 import sys
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 ERROR, WARNING, INFO = "error", "warning", "info"
 _SHOWN = 8  # names listed per finding in the text report (all of them are in to_dict())
@@ -198,18 +198,9 @@ def _device_map_owner(model: Any) -> Tuple[str, Optional[Mapping[str, Any]]]:
 
 
 def _entry_of(device_map: Mapping[str, Any], name: str) -> Optional[str]:
-    try:
-        from metapatch._tied_groups import entry_of
-    except ImportError:  # pragma: no cover - shipped together
-        entry_of = None
-    if entry_of is not None:
-        return entry_of(device_map, name)
-    parts = name.split(".")
-    for i in range(len(parts), 0, -1):
-        key = ".".join(parts[:i])
-        if key in device_map:
-            return key
-    return "" if "" in device_map else None
+    from metapatch._tied_groups import entry_of
+
+    return entry_of(device_map, name)
 
 
 def _placements(model: Any) -> Dict[str, str]:

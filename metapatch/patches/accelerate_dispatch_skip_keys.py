@@ -12,9 +12,9 @@ made the dict survive the copy (``KVSharingDict``), so the range ends there.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, List, Optional
 
+from metapatch._calls import signature_of
 from metapatch._records import Patch, Target, Upstream
 
 PATCH_ID = "accelerate-dispatch-skip-keys"
@@ -36,21 +36,12 @@ def model_skip_keys(model: Any) -> Optional[List[str]]:
 
 
 def _dispatch_model(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    bound = _signature(wrapped).bind_partial(*args, **kwargs)
+    bound = signature_of(wrapped).bind_partial(*args, **kwargs)
     if bound.arguments.get("skip_keys") is None and "model" in bound.arguments:
         keys = model_skip_keys(bound.arguments["model"])
         if keys:
             bound.arguments["skip_keys"] = keys
     return wrapped(*bound.args, **bound.kwargs)
-
-
-_SIGNATURES: dict = {}
-
-
-def _signature(func: Any) -> inspect.Signature:
-    if id(func) not in _SIGNATURES:
-        _SIGNATURES[id(func)] = inspect.signature(func)
-    return _SIGNATURES[id(func)]
 
 
 PATCH = Patch(

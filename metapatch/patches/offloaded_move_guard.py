@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Any, Callable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 from metapatch._records import MetapatchError, Patch, Target, Upstream
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import logging
 from collections.abc import Mapping
 from typing import Any, Dict, Iterator, Optional, Tuple
 
@@ -42,7 +41,6 @@ from metapatch._records import MetapatchError, Patch, Target, Upstream
 from .accelerate_dispatch_skip_keys import model_skip_keys
 
 PATCH_ID = "peft-offload-redispatch"
-logger = logging.getLogger("metapatch")
 
 _OFFLOADED = {"cpu", "disk"}
 _PEFT_DISPATCH_KWARGS = ("device_map", "max_memory", "offload_dir", "offload_folder", "offload_index")
@@ -295,9 +293,11 @@ def _place_tensors(model: Any, device_map: Dict[str, Any], sources: Dict[str, An
     if new_disk:
         _write_new_disk_tensors(new_disk, offload_dir, weights)
     if kept_in_memory:
-        logger.warning("metapatch: %d tensors newly placed on disk (%s, …) stay in CPU memory: pass offload_dir "
-                       "to PeftModel.from_pretrained/load_adapter to write them there", len(kept_in_memory),
-                       kept_in_memory[0])
+        import logging
+
+        logging.getLogger("metapatch").warning(
+            "metapatch: %d tensors newly placed on disk (%s, …) stay in CPU memory: pass offload_dir "
+            "to PeftModel.from_pretrained/load_adapter to write them there", len(kept_in_memory), kept_in_memory[0])
     return weights
 
 

@@ -12,29 +12,17 @@ map is sound, upstream's map is returned unchanged (accelerate's own tests expec
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Dict
 
+from .._calls import call_arguments
 from .._records import Patch, Target, Upstream
 
 PATCH_ID = "tied-device-map-accelerate"
 
-_SIGNATURES: Dict[Any, inspect.Signature] = {}
-
-
-def _arguments(func: Any, args: tuple, kwargs: dict) -> Dict[str, Any]:
-    signature = _SIGNATURES.get(func)
-    if signature is None:
-        signature = _SIGNATURES[func] = inspect.signature(func)
-    bound = signature.bind(*args, **kwargs)
-    bound.apply_defaults()
-    return dict(bound.arguments)
-
-
 def _infer_auto_device_map(wrapped, instance, args, kwargs):
     from .. import _tied_groups as tg
 
-    call = _arguments(wrapped, args, kwargs)
+    call = call_arguments(wrapped, args, kwargs)
     model = call["model"]
     parameters: Dict[str, Any] = {}
     groups = tg.tied_groups(model, parameters=parameters)

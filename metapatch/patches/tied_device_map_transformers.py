@@ -23,24 +23,12 @@ disk, one small module with no tie crossing it is kept on cpu (within the cpu bu
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Dict, Optional
 
+from .._calls import call_arguments
 from .._records import Patch, Target, Upstream
 
 PATCH_ID = "tied-device-map-transformers"
-
-_SIGNATURES: Dict[Any, inspect.Signature] = {}
-
-
-def _arguments(func: Any, args: tuple, kwargs: dict) -> Dict[str, Any]:
-    signature = _SIGNATURES.get(func)
-    if signature is None:
-        signature = _SIGNATURES[func] = inspect.signature(func)
-    bound = signature.bind(*args, **kwargs)
-    bound.apply_defaults()
-    return dict(bound.arguments)
-
 
 def _tensor_bytes(model: Any, hf_quantizer: Any, parameters: Optional[Dict[str, Any]] = None):
     def size(name: str) -> int:
@@ -54,7 +42,7 @@ def _tensor_bytes(model: Any, hf_quantizer: Any, parameters: Optional[Dict[str, 
 def _infer_auto_device_map(wrapped, instance, args, kwargs):
     from .. import _tied_groups as tg
 
-    call = _arguments(wrapped, args, kwargs)
+    call = call_arguments(wrapped, args, kwargs)
     model = call["model"]
     parameters: Dict[str, Any] = {}
     groups = tg.tied_groups(model, extra=[g for g in (call.get("tied_parameters") or ()) if g], parameters=parameters)
@@ -174,7 +162,7 @@ def _integration():
 def _get_device_map(wrapped, instance, args, kwargs):
     from .. import _tied_groups as tg
 
-    call = _arguments(wrapped, args, kwargs)
+    call = call_arguments(wrapped, args, kwargs)
     requested = call.get("device_map")
     device_map = wrapped(*args, **kwargs)
     if not isinstance(device_map, dict) or not device_map:
