@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import json
 import os
@@ -135,6 +136,17 @@ class _WarmParent:
         if json.loads(self.proc.stdout.readline() or "{}").get("ready") is not True:
             raise RuntimeError("the warm parent did not start")
         self.lock = threading.Lock()  # one request/reply at a time on the pipe
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()  # the parent's read loop ends, and with it the process
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc.stdout.close()
 
     def run(self, function: str, workdir: Path, result_file: Path, env: Mapping[str, str], cwd: str,
             timeout: float, tmp: Path) -> "tuple[int, bool, str]":
