@@ -406,6 +406,19 @@ def map_is_sound(model: Any, device_map: Mapping[str, Any], groups: Sequence[Gro
     return all(used.get(device, 0) <= budget for device, budget in (budgets or {}).items() if device != "disk")
 
 
+def upstream_map_if_sound(wrapped: Callable, args: tuple, kwargs: dict, max_memory: Any, model: Any,
+                          groups: Sequence[Group]) -> Optional[Dict[str, Any]]:
+    """Upstream's own map where it is right (every tied group on one device, every budget kept),
+    else None - also when upstream raises IndexError in get_module_size_with_ties, which it does
+    once a group member is placed before its source."""
+    try:
+        device_map = wrapped(*args, **kwargs)
+    except IndexError:
+        return None
+    budgets = wrapped.__globals__["get_max_memory"](dict(max_memory) if max_memory else None)
+    return device_map if map_is_sound(model, device_map, groups, budgets) else None
+
+
 def sources_come_first(groups: Sequence[Group], parameters: Mapping[str, Any]) -> bool:
     """Each group's source is the first of its names in module order: upstream's allocators then count
     it once and meet it before its copies (otherwise they raise IndexError or count it 0 times)."""

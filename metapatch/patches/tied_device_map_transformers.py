@@ -52,14 +52,9 @@ def _infer_auto_device_map(wrapped, instance, args, kwargs):
     upstream = wrapped.__globals__
     if _upstream_counts_each_tie_once() and tg.sources_come_first(groups, parameters):
         # Keep upstream's own map wherever it is right; it only needs replacing when it fails.
-        try:
-            device_map = wrapped(*args, **kwargs)
-        except IndexError:  # get_module_size_with_ties, once a group member was placed before its source
-            device_map = None
+        device_map = tg.upstream_map_if_sound(wrapped, args, kwargs, call.get("max_memory"), model, groups)
         if device_map is not None:
-            budgets = upstream["get_max_memory"](dict(call["max_memory"]) if call.get("max_memory") else None)
-            if tg.map_is_sound(model, device_map, groups, budgets):
-                return device_map
+            return device_map
 
     seen: Dict[str, Any] = {}
 
