@@ -22,3 +22,14 @@ MATRIX = tuple(
     {**COMMON, "transformers": transformers, "accelerate": accelerate}
     for transformers, accelerate in PAIRS
 )
+
+# The declared support window: metapatch's patches are measured (``metapatch survey``) on every
+# release inside it. A patch whose gate sees a version outside the window reports ``not-measured``
+# (nothing is patched, and the reason says to run ``metapatch selftest``) instead of guessing.
+SUPPORT_WINDOW = {
+    "transformers": ">=4.57.0,<6",
+    "accelerate": ">=1.10.0,<2",
+    "peft": ">=0.17.0,<1",
+    "bitsandbytes": ">=0.46.0,<1",
+}
+PYTHON_WINDOW = ">=3.9,<3.14"  # the framework and CLI; the heavy stack where its wheels exist

@@ -13,4 +13,12 @@ from __future__ import annotations
 
 from ._harness import Outcome, Scenario, all_scenarios, run_scenario, scenarios_for
 
-__all__ = ["Outcome", "Scenario", "all_scenarios", "run_scenario", "scenarios_for"]
+
+class NotApplicable(Exception):
+    """Raised by a scenario whose model class or API does not exist in the installed stack
+    (``NotApplicable("needs transformers >= 5.6 (Gemma4ForCausalLM)")``). The harness reports the
+    scenario as ``n/a`` with this message: it is neither a pass nor a failure, and it does not change
+    ``metapatch selftest``'s exit code."""
+
+
+__all__ = ["NotApplicable", "Outcome", "Scenario", "all_scenarios", "run_scenario", "scenarios_for"]
