@@ -1,12 +1,22 @@
-"""The version matrix. Every session runs the whole suite in strict mode (a stale or failed patch
-is an error), after checking that `metapatch status` reports no stale or failed patch once every
-target is imported.
+"""The version matrix. CI (`.ci/run`) runs every session:
 
-    python3 -m nox                      # the whole matrix (what CI runs)
-    python3 -m nox -s "tests(env='latest')"   # one environment
+* ``tests(env=...)``: the whole suite in strict mode (a stale or failed patch is an error) on each
+  matrix pair, after checking that `metapatch status` reports no stale or failed patch once every
+  target is imported;
+* ``gate(stack=...)``: strict ``metapatch status --import-targets`` and ``metapatch selftest --json``
+  on stacks between and before the matrix pairs (``GATE_STACKS``), so that the declared support
+  window is exercised beyond the three pairs;
+* ``framework(python=...)``: the registry and CLI tests on the oldest and newest supported Python,
+  without the heavy stack.
+
+    python3 -m nox                             # everything (what CI runs)
+    python3 -m nox -s "tests(env='latest')"    # one environment
 """
 
+import glob
+import os
 import runpy
+import shutil
 
 import nox
 
@@ -19,22 +29,56 @@ TESTED = runpy.run_path("metapatch/tested_versions.py")
 NAMES = {("5.11.0", "1.13.0"): "seed", ("5.7.0", "1.13.0"): "gemma4-int", ("5.24.0", "1.15.0"): "latest"}
 MATRIX = {NAMES.get(pair, "t{}-a{}".format(*pair)): {"transformers": pair[0], "accelerate": pair[1]}
           for pair in TESTED["PAIRS"]}
-# torch is pinned everywhere: an open range pulls a multi-GB CUDA build.
-COMMON = [f"{dist}=={version}" for dist, version in TESTED["COMMON"].items()]
+TORCH = f"torch=={TESTED['COMMON']['torch']}"  # pinned everywhere: an open range pulls a multi-GB CUDA build
+COMMON = [f"{dist}=={version}" for dist, version in TESTED["COMMON"].items() if dist != "torch"]
+TEST_TOOLS = ["safetensors", "pytest>=8", "pytest-xdist", "hypothesis>=6", "parameterized", "gguf"]
+
+
+def _interpreter(version: str) -> str:
+    """A path to python<version>: on PATH, or a pyenv install (pyenv shims refuse versions that are
+    not selected, so look at the installs themselves)."""
+    found = shutil.which(f"python{version}")
+    root = os.environ.get("PYENV_ROOT", os.path.expanduser("~/.pyenv"))
+    for candidate in sorted(glob.glob(os.path.join(root, "versions", f"{version}.*", "bin", f"python{version}"))):
+        return candidate
+    return found or f"python{version}"
+
+
+def _install_stack(session, versions):
+    session.install(TORCH)  # first, alone, so nothing else can pick a CUDA build
+    pins = {**{d: v for d, v in TESTED["COMMON"].items() if d != "torch"}, **versions}
+    session.install(*(f"{dist}=={ver}" for dist, ver in pins.items()), *TEST_TOOLS)
+    session.install("-e", ".")  # with its own dependencies (wrapt, packaging); the stack is pinned above
+    session.env["METAPATCH_STRICT"] = "1"
+    session.run("python", "-m", "pip", "list", "--format=freeze", silent=False)
 
 
 @nox.session(python="3.11")
 @nox.parametrize("env", list(MATRIX))
 def tests(session, env):
-    versions = MATRIX[env]
-    session.install(f"torch=={TESTED['COMMON']['torch']}")  # first, alone, so nothing else can pick a CUDA build
-    session.install(*COMMON, *(f"{dist}=={ver}" for dist, ver in versions.items()), "safetensors",
-                    "pytest>=8", "pytest-xdist", "hypothesis>=6", "parameterized")
-    session.install("-e", ".")  # with its own dependencies (wrapt, packaging); the stack is pinned above
-    session.env["METAPATCH_STRICT"] = "1"
-    session.run("python", "-m", "pip", "list", "--format=freeze", silent=False)
+    _install_stack(session, MATRIX[env])
     session.run("metapatch", "status", "--import-targets")
     # Two workers for two cores; a file's tests stay on one worker, so a test that watches the
     # working directory never sees another test's files.
     session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadfile",
                 *session.posargs)
+
+
+@nox.session(python="3.11")
+@nox.parametrize("stack", list(TESTED["GATE_STACKS"]))
+def gate(session, stack):
+    _install_stack(session, TESTED["GATE_STACKS"][stack])
+    session.run("metapatch", "status", "--import-targets")
+    report = os.path.join(session.create_tmp(), f"selftest-{stack}.json")
+    session.run("python", "-c", "import subprocess, sys; out = open(sys.argv[1], 'w'); "
+                "rc = subprocess.call(['metapatch', 'selftest', '--json'], stdout=out); out.close(); "
+                "print(open(sys.argv[1]).read()); sys.exit(rc)", report)
+
+
+@nox.session(python=[_interpreter(v) for v in TESTED["FRAMEWORK_PYTHONS"]])
+def framework(session):
+    session.install("-e", ".", "pytest>=8", "hypothesis>=6")
+    session.env["METAPATCH_STRICT"] = "1"
+    session.run("metapatch", "--help")
+    session.run("metapatch", "status")
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_registry.py", *session.posargs)
