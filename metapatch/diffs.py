@@ -85,8 +85,12 @@ class UpstreamDiff:
         return self.path.read_text()
 
 
+# Packages that live in a sub-folder of their upstream repository: gguf is llama.cpp's gguf-py/gguf/.
+PACKAGE_FOLDERS = {"gguf": "gguf-py/"}
+
+
 def _package_relative(path: str, package: str) -> Optional[str]:
-    for prefix in (f"src/{package}/", f"{package}/"):
+    for prefix in (f"src/{package}/", f"{package}/", f"{PACKAGE_FOLDERS.get(package, 'src/')}{package}/"):
         if path.startswith(prefix):
             return package + "/" + path[len(prefix):]
     return None

@@ -31,6 +31,7 @@ SUPPORT_WINDOW = {
     "accelerate": ">=1.10.0,<2",
     "peft": ">=0.17.0,<1",
     "bitsandbytes": ">=0.46.0,<1",
+    "gguf": ">=0.10.0,<1",  # llama.cpp's gguf-py, for the converter patch (`metapatch run`)
 }
 PYTHON_WINDOW = ">=3.9,<3.14"  # the framework and CLI; the heavy stack where its wheels exist
 
