@@ -3,7 +3,8 @@ bitsandbytes / transformers when a model is split across GPUs, CPU and disk.
 
 ``import metapatch`` registers every patch; each one applies when its target module is imported
 (before or after metapatch), only where the installed version has the bug. Nothing heavy is
-imported here: not torch, not any Hugging Face package.
+imported here: not torch, not any Hugging Face package, and no patch module until one of its
+targets is imported.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Dict, Iterable, List, Optional
 
 from ._records import MetapatchError, MetapatchWarning, Patch, State, Target, Upstream
-from ._registry import Registry, load_patches
+from ._registry import Registry, lazy_patches
 
 __version__ = "0.1.0"
 __all__ = [
@@ -27,7 +28,8 @@ def _shared_registry() -> Registry:
 
     existing = getattr(_registry, "REGISTRY", None)
     if existing is None:
-        existing = _registry.REGISTRY = Registry(load_patches())
+        # Patch modules load when one of their targets is imported: see metapatch.patches.INDEX.
+        existing = _registry.REGISTRY = Registry(lazy_patches())
     return existing
 
 

@@ -17,7 +17,9 @@ class State(str, enum.Enum):
     APPLIED = "applied"
     PENDING_IMPORT = "pending-import"
     NOT_AFFECTED = "not-affected"
+    NOT_MEASURED = "not-measured"  # an installed version outside tested_versions.SUPPORT_WINDOW
     STALE = "stale"
+    CONFLICT = "conflict"  # another library already replaced the target
     DISABLED = "disabled"
     FAILED = "failed"
 
@@ -26,12 +28,12 @@ class State(str, enum.Enum):
 
 
 class MetapatchWarning(UserWarning):
-    """A patch could not be applied (stale or failed); the program goes on without it."""
+    """A patch could not be applied (stale, conflict or failed); the program goes on without it."""
 
 
 class MetapatchError(RuntimeError):
-    """Raised for stale/failed patches under METAPATCH_STRICT=1, and by patches whose diagnosis
-    is that the user's request cannot be honoured safely (the message says what to do)."""
+    """Raised for stale/conflict/failed patches under METAPATCH_STRICT=1, and by patches whose
+    diagnosis is that the user's request cannot be honoured safely (the message says what to do)."""
 
 
 class Target:

@@ -2,13 +2,16 @@
 
 This module knows nothing about any particular patch. It is handed :class:`Patch` records and
 
-* registers a wrapt post-import hook per target module, so a patch applies whether metapatch is
-  imported before or after its target;
+* registers a post-import hook per target module (:mod:`metapatch._import_hooks`, a meta-path
+  finder that never imports nor waits on a lock while the import system holds its own), so a
+  patch applies whether metapatch is imported before or after its target;
 * gates each patch on installed distribution versions (lazily: ``importlib.metadata`` is only
   read once a target module is imported or ``status()`` is asked for);
 * refuses to patch code whose source no longer matches the fingerprints the patch was written
-  against (``stale``), and never lets an exception from a patch escape into the user's import
-  (``failed``) unless ``METAPATCH_STRICT=1`` asks for exactly that;
+  against (``stale``) or that another library already replaced (``conflict``), reports versions
+  outside the declared support window as ``not-measured`` instead of guessing, and never lets an
+  exception from a patch escape into the user's import (``failed``) unless ``METAPATCH_STRICT=1``
+  asks for exactly that;
 * marks every object it installs, so a second registry (``importlib.reload(metapatch)``, or
   metapatch re-imported after ``sys.modules`` was cleared) adopts what is there instead of
   wrapping twice, and ``unpatch`` can find every site that holds a replacement.
@@ -19,10 +22,10 @@ from __future__ import annotations
 import os
 import sys
 import threading
-import warnings
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from collections.abc import Mapping
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
-from ._records import MetapatchError, MetapatchWarning, Patch, State, Target
+from ._records import MetapatchError, Patch, State, Target
 
 # ast, inspect, hashlib, logging and importlib.metadata are imported where used: `import metapatch`
 # runs at the top of user scripts and must cost next to nothing.
@@ -72,20 +75,11 @@ def _source_object(obj: Any) -> Any:
 def fingerprint(obj: Any) -> str:
     """A short hash of an object's source code that ignores formatting, comments and docstrings,
     so upstream reformatting does not make a patch stale but any change to the logic does."""
-    import ast
-    import hashlib
     import inspect
-    import textwrap
 
-    tree = ast.parse(textwrap.dedent(inspect.getsource(_source_object(obj))))
-    for node in ast.walk(tree):
-        body = getattr(node, "body", None)
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and body \
-                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
-                and isinstance(body[0].value.value, str):
-            node.body = body[1:] or [ast.Pass()]
-    canonical = ast.dump(tree, annotate_fields=False, include_attributes=False)
-    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:16]
+    from ._fingerprints import fingerprint_source  # shared with the static reader (metapatch survey)
+
+    return fingerprint_source(inspect.getsource(_source_object(obj)))
 
 
 def resolve(module: Any, qualname: str) -> Tuple[Any, str, Any]:
@@ -129,25 +123,103 @@ class _Status:
         self.reason = reason
         self.sites: Dict[str, _Site] = dict(sites or {})  # target.dotted -> site
         self.notes: List[str] = []
-        self.gate: Optional[Tuple[bool, str, Dict[str, Optional[str]]]] = None  # (affected, why, versions)
+        # (verdict, why, versions), verdict None when affected: see Registry._verdict
+        self.gate: Optional[Tuple[Optional[State], str, Dict[str, Optional[str]]]] = None
 
 
-class _NotApplicable(Exception):
-    """The target is not what the patch was written for (stale)."""
+# Packages whose decorators legitimately wrap upstream functions at definition time
+# (``@torch.no_grad()``, ``@functools.lru_cache``): such a wrapper is not another library's patch.
+_DECORATOR_PACKAGES = frozenset({"functools", "contextlib", "typing", "typing_extensions", "torch", "abc"})
+
+
+def _package(module_name: Optional[str]) -> str:
+    return (module_name or "").partition(".")[0]
+
+
+def _code_owner(obj: Any) -> Optional[str]:
+    """The module whose code defines ``obj`` (a function's globals, else its ``__module__``)."""
+    globals_ = getattr(obj, "__globals__", None)
+    if isinstance(globals_, dict) and isinstance(globals_.get("__name__"), str):
+        return globals_["__name__"]
+    owner = getattr(obj, "__module__", None)
+    return owner if isinstance(owner, str) else None
+
+
+def replaced_by(module: Any, target: Target, raw: Any = None) -> Optional[str]:
+    """The module of another library that replaced or wrapped ``target``, or None.
+
+    A class on the qualname path defined elsewhere (``modeling_llama.LlamaRMSNorm =
+    LigerRMSNorm``), a function whose code lives in another package (``unsloth``), a
+    ``functools.wraps`` or wrapt wrapper from another package: all of these are someone else's
+    patch, which metapatch must neither wrap nor call ``stale``."""
+    parent = module
+    for name in target.qualname.split(".")[:-1]:
+        parent = getattr(parent, name, None)
+        if isinstance(parent, type) and _package(parent.__module__) != _package(target.module):
+            return parent.__module__
+    if raw is None:
+        return None
+    obj = _source_object(raw) if getattr(raw, MARKER, None) is None else raw
+    if getattr(obj, MARKER, None) is not None:
+        return None  # metapatch's own (an earlier registry); adopted elsewhere
+    wrapper = getattr(obj, "_self_wrapper", None)  # a wrapt FunctionWrapper (its type's __module__ is "builtins")
+    if wrapper is not None and hasattr(obj, "__wrapped__"):
+        owner = _code_owner(wrapper)
+        return owner if owner and _package(owner) != _package(target.module) else None
+    chain = [obj]
+    while hasattr(chain[-1], "__wrapped__") and len(chain) < 10:
+        chain.append(chain[-1].__wrapped__)
+    owners = [_code_owner(level) for level in chain]
+    outer = owners[0]
+    if outer is None or _package(outer) == _package(target.module):
+        return None
+    if _package(outer) in _DECORATOR_PACKAGES and any(_package(o) == _package(target.module) for o in owners[1:]):
+        return None  # upstream's own function under a torch/functools decorator
+    return outer
+
+
+def _initializing(module: Any) -> bool:
+    return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
+
+
+def _raw(parent: Any, attr: str) -> Any:
+    return vars(parent).get(attr) if isinstance(parent, type) else getattr(parent, attr, None)
+
+
+class _Planned:
+    """One target of a patch, prepared outside the registry lock."""
+
+    __slots__ = ("target", "parent", "attr", "original", "installed", "adopt")
+
+    def __init__(self, target: Target, parent: Any, attr: str, original: Any, installed: Any, adopt: bool) -> None:
+        self.target, self.parent, self.attr = target, parent, attr
+        self.original, self.installed, self.adopt = original, installed, adopt
+
+
+class _Retry(Exception):
+    """A target changed between planning and committing (another thread): plan again."""
 
 
 class Registry:
-    def __init__(self, patches: Iterable[Patch]):
-        self.patches: Dict[str, Patch] = {}
-        for patch in patches:
+    def __init__(self, patches: Iterable[Patch], support_window: Optional[Dict[str, str]] = None):
+        """``patches``: records, or a :class:`LazyPatches` (records loaded when first needed)."""
+        self.patches: Mapping = patches if isinstance(patches, LazyPatches) else {}
+        for patch in () if isinstance(patches, LazyPatches) else patches:
             if patch.id in self.patches:
                 raise ValueError(f"two patches share the id {patch.id!r}")
             self.patches[patch.id] = patch
         self._status: Dict[str, _Status] = {}
+        # Guards _status and the swaps. Never held while importing, calling a patch's factory or
+        # emitting a warning: the import system's deadlock detection cannot see this lock, so a
+        # thread holding it must never wait for an import lock (issue 12).
         self._lock = threading.RLock()
         self._hooked: set = set()
-        self._warned: set = set()
         self._versions: Dict[str, Optional[str]] = {}
+        self._window = support_window  # None: metapatch.tested_versions.SUPPORT_WINDOW, read lazily
+        # target.dotted -> {(module name, attribute)}: re-export sites that held the replacement
+        # when it was restored, so that install() after unpatch() covers them again.
+        self._reexports: Dict[str, Dict[Tuple[str, str], None]] = {}
+        self._unpatched: set = set()
 
     # -- gating --------------------------------------------------------------------------------
 
@@ -161,25 +233,52 @@ class Registry:
                 self._versions[dist] = None
         return self._versions[dist]
 
+    def _support_window(self) -> Dict[str, str]:
+        if self._window is None:
+            from . import tested_versions
+
+            self._window = dict(getattr(tested_versions, "SUPPORT_WINDOW", {}))
+        return self._window
+
     def _gate(self, patch: Patch) -> Tuple[bool, str, Dict[str, Optional[str]]]:
+        """(affected?, why, versions): whether the patch is to be applied on this install."""
+        verdict, why, versions = self._verdict(patch)
+        return verdict is None, why, versions
+
+    def _verdict(self, patch: Patch) -> Tuple[Optional[State], str, Dict[str, Optional[str]]]:
+        """(verdict, why, versions): verdict None means affected (patch it), otherwise the state
+        to report: ``not-affected`` (missing, or measured outside the affected range) or
+        ``not-measured`` (a version outside the declared support window)."""
         from packaging.specifiers import SpecifierSet  # only once a decision is needed
         from packaging.version import InvalidVersion, Version
 
         versions = {dist: self._version(dist) for dist in patch.affects}
-        for dist, spec in patch.affects.items():
+        parsed = {}
+        for dist in patch.affects:
             installed = versions[dist]
             if installed is None:
-                return False, f"{dist} is not installed", versions
+                return State.NOT_AFFECTED, f"{dist} is not installed", versions
             try:
-                inside = SpecifierSet(spec).contains(Version(installed), prereleases=True)
+                parsed[dist] = Version(installed)
             except InvalidVersion:
-                return False, f"{dist} {installed} is not a PEP 440 version", versions
-            if not inside:
+                return State.NOT_AFFECTED, f"{dist} {installed} is not a PEP 440 version", versions
+        window = self._support_window()
+        for dist in patch.affects:
+            measured, fixed = window.get(dist), patch.upstream.fixed_in.get(dist)
+            if not measured or SpecifierSet(measured).contains(parsed[dist], prereleases=True):
+                continue
+            if fixed and parsed[dist] >= Version(fixed):
+                continue  # fixed upstream: outside the window, but not the bug's range either
+            return State.NOT_MEASURED, (
+                f"not measured for {dist} {versions[dist]} (support window {dist}{measured}); nothing patched; "
+                f"run `metapatch selftest` to see whether the bug exists on this install"), versions
+        for dist, spec in patch.affects.items():
+            if not SpecifierSet(spec).contains(parsed[dist], prereleases=True):
                 fixed = patch.upstream.fixed_in.get(dist)
-                why = f"{dist} {installed} is outside {spec}"
-                return False, why + (f" (fixed upstream in {fixed})" if fixed else ""), versions
+                why = f"{dist} {versions[dist]} is outside {spec}"
+                return State.NOT_AFFECTED, why + (f" (fixed upstream in {fixed})" if fixed else ""), versions
         ranges = ", ".join(f"{d} {versions[d]} in {s}" for d, s in patch.affects.items())
-        return True, ranges, versions
+        return None, ranges, versions
 
     # -- install -------------------------------------------------------------------------------
 
@@ -187,136 +286,205 @@ class Registry:
         """Register hooks for every enabled patch and apply those whose targets are imported.
 
         Idempotent: a patch already in place is left alone, one that was unpatched or whose
-        target module was re-executed (reload) is applied again."""
+        target module was re-executed (reload) is applied again, at every site it held before."""
         all_off, off = disabled_ids()
         unknown = off - set(self.patches)
         if unknown:
             self._warn_once(("disable", tuple(sorted(unknown))),
                             f"METAPATCH_DISABLE names unknown patch id(s) {', '.join(sorted(unknown))}; "
                             f"known ids: {', '.join(self.patches)}")
-        chosen = self._select(ids)
-        for patch in chosen:
+        # By id: with LazyPatches, a patch module is imported only once one of its targets is.
+        for patch_id in self._select_ids(ids):
             with self._lock:
-                current = self._status.get(patch.id)
-                if all_off or patch.id in off:
+                current = self._status.get(patch_id)
+                if all_off or patch_id in off:
                     if current is not None and current.sites:
-                        self._restore(patch, current)
-                    self._status[patch.id] = _Status(State.DISABLED, "METAPATCH_DISABLE=" + (
-                        "all" if all_off else patch.id))
+                        self._restore(current)
+                    self._status[patch_id] = _Status(State.DISABLED, "METAPATCH_DISABLE=" + (
+                        "all" if all_off else patch_id))
                     continue
                 if current is None or current.state is State.DISABLED or self._lost_sites(current):
                     keep = current.sites if current is not None else {}
-                    self._status[patch.id] = _Status(State.PENDING_IMPORT, "", sites={
+                    self._status[patch_id] = _Status(State.PENDING_IMPORT, "", sites={
                         k: s for k, s in keep.items() if s.holds_installed()})
-            for module_name in patch.modules:
+            modules = self._modules_of(patch_id)
+            for module_name in modules:
                 self._hook(module_name)
-            for module_name in patch.modules:
+            for module_name in modules:
                 module = sys.modules.get(module_name)
-                if module is not None:
-                    self._apply(patch, module, late=True)
+                if module is not None and not _initializing(module):
+                    # (A module still executing gets its hook when it finishes.)
+                    self._apply(self.patches[patch_id], module, late=True)
 
     def _select(self, ids: Optional[Iterable[str]]) -> List[Patch]:
+        return [self.patches[i] for i in self._select_ids(ids)]
+
+    def _select_ids(self, ids: Optional[Iterable[str]]) -> List[str]:
         if ids is None:
-            return list(self.patches.values())
+            return list(self.patches)
         if isinstance(ids, str):
             ids = [ids]
+        ids = list(ids)
         missing = [i for i in ids if i not in self.patches]
         if missing:
             raise ValueError(f"unknown metapatch patch id(s) {missing}; known: {list(self.patches)}")
-        return [self.patches[i] for i in ids]
+        return ids
+
+    def _modules_of(self, patch_id: str) -> Tuple[str, ...]:
+        modules_of = getattr(self.patches, "modules_of", None)
+        return modules_of(patch_id) if modules_of is not None else self.patches[patch_id].modules
 
     def _hook(self, module_name: str) -> None:
+        # Watched even when already imported: a later re-import (after the module was removed
+        # from sys.modules) executes new objects that must be patched too.
         with self._lock:
-            # An already-imported module is patched by install() itself, which also looks for
-            # modules that captured the original by name; wrapt would fire the hook at once.
-            if module_name in self._hooked or module_name in sys.modules:
+            if module_name in self._hooked:
                 return
             self._hooked.add(module_name)
-        import wrapt  # noqa: deferred so that reading records never needs it
+        from ._import_hooks import finder
 
-        wrapt.register_post_import_hook(self._on_import, module_name)
+        finder().watch(module_name, self._on_import)
 
     def _on_import(self, module: Any) -> None:
         # Runs inside the user's import statement: nothing may escape except, on purpose, the
         # strict-mode error.
         name = getattr(module, "__name__", "")
-        for patch in list(self.patches.values()):
-            if name in patch.modules:
+        for patch_id in list(self.patches):
+            if name in self._modules_of(patch_id):
                 try:
-                    self._apply(patch, module)
+                    self._apply(self.patches[patch_id], module)  # (loads a lazy record)
                 except MetapatchError:
                     raise
                 except Exception as exc:  # pragma: no cover - _apply already guards; belt and braces
-                    _logger().exception("metapatch: unexpected error while applying %s: %s", patch.id, exc)
+                    _logger().exception("metapatch: unexpected error while applying %s: %s", patch_id, exc)
 
     def _apply(self, patch: Patch, module: Any, late: bool = False) -> None:
-        with self._lock:
-            status = self._status.get(patch.id)
-            if status is None or status.state not in (State.PENDING_IMPORT, State.APPLIED):
-                return
-            affected, why, versions = status.gate or self._gate(patch)
-            status.gate = (affected, why, versions)
-            if not affected:
-                status.state, status.reason = State.NOT_AFFECTED, why
-                return
+        """Apply the targets of ``patch`` that live in ``module``.
+
+        In three steps so that no lock of ours is held while something may import: read the
+        status (locked), gate and prepare every replacement (unlocked: version metadata, source
+        fingerprints, the patch's own factories), swap and record (locked), then warn (unlocked)."""
+        for module_name in patch.modules:  # no-op unless the index missed one of the record's modules
+            self._hook(module_name)
+        messages: List[Tuple[Any, str]] = []  # (key, message): warned once the lock is released
+        problem: Optional[MetapatchError] = None
+        for _attempt in range(5):
+            with self._lock:
+                status = self._status.get(patch.id)
+                if status is None or status.state not in (State.PENDING_IMPORT, State.APPLIED):
+                    return
+                gate = status.gate
+            if gate is None:
+                gate = self._verdict(patch)
             try:
-                for target in patch.targets:
-                    if target.module != module.__name__:
-                        continue
-                    site = status.sites.get(target.dotted)
-                    if site is not None and site.holds_installed():
-                        continue
-                    status.sites[target.dotted] = self._install_target(patch, target, module, status, late)
-            except _NotApplicable as exc:
-                self._restore(patch, status)
-                self._set_problem(patch, status, State.STALE, str(exc))
-                return
+                plan, trouble = self._plan(patch, module, status, gate)
+                with self._lock:
+                    problem = self._commit(patch, module, status, gate, plan, trouble, late, messages)
+                break
+            except _Retry:  # another thread changed the target or the status meanwhile: again
+                continue
+        skip = {m.partition(".")[0] for m in patch.modules}  # frames of the patched library are not the user's
+        for key, message in messages:
+            self._warn_once(key, message, skip)
+        if problem is not None:
+            raise problem
+
+    def _plan(self, patch: Patch, module: Any, status: _Status, gate: Tuple[Optional[State], str, Any]
+              ) -> Tuple[List[_Planned], Optional[Tuple[State, str]]]:
+        """Everything that may import or run patch code, without the lock. Returns the planned
+        swaps and, if a target cannot be patched, (state, reason) for the whole patch."""
+        plan: List[_Planned] = []
+        if gate[0] is not None:
+            return plan, None
+        for target in patch.targets:
+            if target.module != module.__name__:
+                continue
+            owner = replaced_by(module, target)
+            if owner is not None:
+                return plan, (State.CONFLICT, _conflict_reason(target, owner))
+            try:
+                parent, attr, current = resolve(module, target.qualname)
+            except AttributeError as exc:
+                return plan, (State.STALE, f"{target.dotted} not found ({exc})")
+            site = status.sites.get(target.dotted)
+            if site is not None and site.parent is parent and site.holds_installed():
+                continue
+            marker = getattr(current, MARKER, None)
+            if marker is not None and marker[0] == patch.id:
+                # Installed by an earlier registry (metapatch reloaded): adopt it, never wrap twice.
+                plan.append(_Planned(target, parent, attr, marker[2], current, adopt=True))
+                continue
+            owner = replaced_by(module, target, current)
+            if owner is not None:
+                return plan, (State.CONFLICT, _conflict_reason(target, owner))
+            try:
+                found = fingerprint(current)
+            except (OSError, TypeError, SyntaxError) as exc:
+                return plan, (State.STALE, f"cannot read the source of {target.dotted}: {exc}")
+            if found not in target.fingerprints:
+                return plan, (State.STALE,
+                              f"{target.dotted} changed upstream (source fingerprint {found}, patch written for "
+                              f"{', '.join(target.fingerprints)}); skipped rather than patched blindly")
+            try:
+                if target.wrapper is not None:
+                    import wrapt
+
+                    installed = wrapt.FunctionWrapper(current, target.wrapper)
+                else:
+                    installed = target.replacement(current)
+                setattr(installed, MARKER, (patch.id, target.dotted, current))
             except Exception as exc:
-                self._restore(patch, status)
-                self._set_problem(patch, status, State.FAILED, f"{type(exc).__name__}: {exc}")
-                return
-            waiting = [m for m in patch.modules
-                       if not all(status.sites.get(t.dotted) is not None for t in patch.targets if t.module == m)]
-            if waiting:
-                status.state = State.PENDING_IMPORT
-                status.reason = f"{why}; waiting for import of {', '.join(waiting)}"
-            else:
-                status.state, status.reason = State.APPLIED, why
+                return plan, (State.FAILED, f"{type(exc).__name__}: {exc}")
+            plan.append(_Planned(target, parent, attr, current, installed, adopt=False))
+        return plan, None
 
-    def _install_target(self, patch: Patch, target: Target, module: Any, status: _Status, late: bool) -> _Site:
-        try:
-            parent, attr, current = resolve(module, target.qualname)
-        except AttributeError as exc:
-            raise _NotApplicable(f"{target.dotted} not found ({exc})") from None
-        marker = getattr(current, MARKER, None)
-        if marker is not None and marker[0] == patch.id:
-            # Installed by an earlier registry (metapatch reloaded): adopt it, never wrap twice.
-            return _Site(parent, attr, marker[2], current)
-        try:
-            found = fingerprint(current)
-        except (OSError, TypeError, SyntaxError) as exc:
-            raise _NotApplicable(f"cannot read the source of {target.dotted}: {exc}") from None
-        if found not in target.fingerprints:
-            raise _NotApplicable(
-                f"{target.dotted} changed upstream (source fingerprint {found}, patch written for "
-                f"{', '.join(target.fingerprints)}); skipped rather than patched blindly")
-        if target.wrapper is not None:
-            import wrapt
-
-            installed = wrapt.FunctionWrapper(current, target.wrapper)
+    def _commit(self, patch: Patch, module: Any, status: _Status, gate: Tuple[Optional[State], str, Any],
+                plan: List[_Planned], trouble: Optional[Tuple[State, str]], late: bool,
+                messages: List[Tuple[Any, str]]) -> Optional[MetapatchError]:
+        """The swaps, under the lock; returns the strict-mode error to raise once unlocked."""
+        if self._status.get(patch.id) is not status or status.state not in (State.PENDING_IMPORT, State.APPLIED):
+            raise _Retry()  # unpatched, disabled or re-installed meanwhile: decide on the current status
+        status.gate = status.gate or gate
+        verdict, why, _ = status.gate
+        if verdict is not None:
+            status.state, status.reason = verdict, why
+            return None
+        if trouble is not None:
+            self._restore(status)
+            return self._set_problem(patch, status, trouble[0], trouble[1], messages)
+        for step in plan:
+            now = _raw(step.parent, step.attr)
+            if now is not (step.installed if step.adopt else step.original):
+                marker = getattr(now, MARKER, None)
+                if marker is not None and marker[0] == patch.id:
+                    step = _Planned(step.target, step.parent, step.attr, marker[2], now, adopt=True)
+                else:
+                    raise _Retry()
+            if not step.adopt:
+                setattr(step.parent, step.attr, step.installed)
+            status.sites[step.target.dotted] = _Site(step.parent, step.attr, step.original, step.installed)
+            if not isinstance(step.parent, type):
+                self._cover_aliases(step.target, step.original, step.installed, status, late, messages)
+        waiting = [m for m in patch.modules
+                   if not all(status.sites.get(t.dotted) is not None for t in patch.targets if t.module == m)]
+        if waiting:
+            status.state = State.PENDING_IMPORT
+            status.reason = f"{why}; waiting for import of {', '.join(waiting)}"
         else:
-            installed = target.replacement(current)
-        setattr(installed, MARKER, (patch.id, target.dotted, current))
-        setattr(parent, attr, installed)
-        if not isinstance(parent, type):
-            self._cover_aliases(target, current, installed, status, late)
-        return _Site(parent, attr, current, installed)
+            status.state, status.reason = State.APPLIED, why
+        return None
 
-    def _cover_aliases(self, target: Target, original: Any, installed: Any, status: _Status, late: bool) -> None:
+    def _cover_aliases(self, target: Target, original: Any, installed: Any, status: _Status, late: bool,
+                       messages: List[Tuple[Any, str]]) -> None:
         for alias in target.aliases:
             module_name, _, attr = alias.partition(":")
             module = sys.modules.get(module_name)
             if module is not None and getattr(module, attr, None) is original:
+                setattr(module, attr, installed)
+        # Every site that held the replacement when it was last restored (unpatch) holds it again.
+        for module_name, attr in self._reexports.get(target.dotted, {}):
+            module = sys.modules.get(module_name)
+            if module is not None and _namespace(module).get(attr) is original:
                 setattr(module, attr, installed)
         if not late:
             return  # patched as its module finished executing: nobody can have captured it yet
@@ -325,49 +493,52 @@ class Registry:
         holders = sorted(name for name, mod in list(sys.modules.items())
                          if mod is not None and any(v is original for v in _namespace(mod).values()))
         if holders:
-            note = (f"{target.dotted} was imported by name before metapatch into {', '.join(holders)}; "
+            when = ("before metapatch was imported, or while it was unpatched"
+                    if target.dotted in self._unpatched else "before metapatch was imported")
+            note = (f"{target.dotted} was imported by name into {', '.join(holders)} {when}; "
                     "calls through those names bypass the patch (import metapatch first)")
             status.notes.append(note)
-            _logger().warning("metapatch: %s", note)
+            messages.append((("bypass", target.dotted, tuple(holders)), "metapatch: " + note))
 
     # -- problems ------------------------------------------------------------------------------
 
-    def _set_problem(self, patch: Patch, status: _Status, state: State, reason: str) -> None:
+    def _set_problem(self, patch: Patch, status: _Status, state: State, reason: str,
+                     messages: List[Tuple[Any, str]]) -> Optional[MetapatchError]:
         status.state, status.reason = state, reason
         message = f"metapatch: patch {patch.id!r} is {state}: {reason}. The program continues without it."
         if strict_mode():
-            raise MetapatchError(message.replace("The program continues without it.",
-                                                 "METAPATCH_STRICT=1 makes this an error."))
-        self._warn_once((patch.id, state), message)
+            return MetapatchError(message.replace("The program continues without it.",
+                                                  "METAPATCH_STRICT=1 makes this an error."))
+        messages.append(((patch.id, state), message))
+        return None
 
-    def _warn_once(self, key: Any, message: str) -> None:
-        with self._lock:
-            if key in self._warned:
-                return
-            self._warned.add(key)
-        _logger().warning(message)
-        warnings.warn(message, MetapatchWarning, stacklevel=3)
+    def _warn_once(self, key: Any, message: str, skip: Iterable[str] = ()) -> None:
+        from ._warn import warn_once
+
+        warn_once((id(self), key), message, skip=skip)
 
     # -- unpatch -------------------------------------------------------------------------------
 
     def _lost_sites(self, status: _Status) -> bool:
         return status.state is State.APPLIED and not all(s.holds_installed() for s in status.sites.values())
 
-    def _restore(self, patch: Patch, status: _Status) -> None:
+    def _restore(self, status: _Status) -> None:
         replaced = {}
-        for site in status.sites.values():
+        for dotted, site in status.sites.items():
             if site.holds_installed():
                 setattr(site.parent, site.attr, site.original)
-            replaced[id(site.installed)] = (site.installed, site.original)
+            replaced[id(site.installed)] = (site.installed, site.original, dotted)
         # Re-export sites: declared aliases and any module that imported the replacement by name
-        # after it was installed (``from accelerate import dispatch_model`` in peft, say).
+        # after it was installed (``from accelerate import dispatch_model`` in peft, say). They are
+        # remembered, so that install() puts the replacement back at each of them.
         if replaced:
-            for mod in list(sys.modules.values()):
+            for name, mod in list(sys.modules.items()):
                 namespace = _namespace(mod)
-                for name, value in list(namespace.items()):
+                for attr, value in list(namespace.items()):
                     hit = replaced.get(id(value))
                     if hit is not None and hit[0] is value:
-                        setattr(mod, name, hit[1])
+                        setattr(mod, attr, hit[1])
+                        self._reexports.setdefault(hit[2], {})[(name, attr)] = None
         status.sites.clear()
 
     def unpatch(self, ids: Optional[Iterable[str]] = None) -> None:
@@ -377,7 +548,8 @@ class Registry:
                 status = self._status.get(patch.id)
                 if status is None:
                     status = self._status[patch.id] = _Status(State.DISABLED, "")
-                self._restore(patch, status)
+                self._restore(status)
+                self._unpatched.update(t.dotted for t in patch.targets)
                 status.state, status.reason = State.DISABLED, "unpatched by metapatch.unpatch(); metapatch.install() re-applies"
 
     # -- status --------------------------------------------------------------------------------
@@ -386,18 +558,28 @@ class Registry:
         rows = []
         for patch in self.patches.values():
             with self._lock:
+                known = self._status.get(patch.id)
+                need_gate = known is None or known.gate is None
+            gate = self._verdict(patch) if need_gate else None  # unlocked: reads metadata, may import
+            with self._lock:
                 status = self._status.get(patch.id) or _Status(State.PENDING_IMPORT, "metapatch.install() not run")
                 if status.state is State.PENDING_IMPORT and patch.id in self._status:
-                    status.gate = status.gate or self._gate(patch)
-                    if not status.gate[0]:
-                        status.state, status.reason = State.NOT_AFFECTED, status.gate[1]
+                    status.gate = status.gate or gate
+                    if status.gate[0] is not None:
+                        status.state, status.reason = status.gate[0], status.gate[1]
                     elif not status.reason:
                         status.reason = f"{status.gate[1]}; waiting for import of {', '.join(patch.modules)}"
                 state, reason = status.state, status.reason
                 if self._lost_sites(status):
-                    state = State.PENDING_IMPORT
-                    reason = "target module was re-executed (reload?) after patching; metapatch.install() re-applies"
-                versions = status.gate[2] if status.gate else {d: self._version(d) for d in patch.affects}
+                    replaced = _replaced_after(status)
+                    if replaced is not None:
+                        state, reason = State.CONFLICT, replaced
+                    else:
+                        state = State.PENDING_IMPORT
+                        reason = "target module was re-executed (reload?) after patching; metapatch.install() re-applies"
+                gate_now = status.gate or gate
+                versions = gate_now[2] if gate_now else {d: self._version(d) for d in patch.affects}
+                notes = list(status.notes)
             rows.append({
                 "id": patch.id,
                 "title": patch.title,
@@ -410,9 +592,29 @@ class Registry:
                 "forwarded": patch.upstream.forwarded,
                 "diffs": list(patch.diffs),
                 "targets": [t.dotted for t in patch.targets],
-                "notes": list(status.notes),
+                "notes": notes,
             })
         return rows
+
+
+def _replaced_after(status: _Status) -> Optional[str]:
+    """Why a site lost its replacement, when another library (not a reload) put its own there."""
+    for dotted, site in status.sites.items():
+        if site.holds_installed():
+            continue
+        now = _raw(site.parent, site.attr)
+        owner = _code_owner(_source_object(now))
+        if owner is not None and _package(owner) != _package(dotted.partition(":")[0]):
+            return (f"{dotted} was replaced by {owner} after metapatch patched it, so calls no longer reach "
+                    f"metapatch's fix. Check whether {_package(owner)} fixes this bug too, or disable its "
+                    f"patch of this function")
+    return None
+
+
+def _conflict_reason(target: Target, owner: str) -> str:
+    return (f"{target.dotted} was already replaced by {owner} (another library patches it); nothing "
+            f"patched rather than wrap another library's patch. Check whether {_package(owner)} fixes "
+            f"this bug too, or disable its patch of this function")
 
 
 def _namespace(module: Any) -> Dict[str, Any]:
@@ -428,12 +630,85 @@ def load_patches(package: str = "metapatch.patches") -> List[Patch]:
     import importlib
 
     pkg = importlib.import_module(package)
-    names = sorted({entry[:-3] for folder in pkg.__path__ for entry in os.listdir(folder)
-                    if entry.endswith(".py") and not entry.startswith("_")})
     records = []
-    for name in names:
+    for name in _patch_module_names(pkg):
         module = importlib.import_module(f"{package}.{name}")
         patch = getattr(module, "PATCH", None)
         if isinstance(patch, Patch):
             records.append(patch)
     return records
+
+
+def _patch_module_names(pkg: Any) -> List[str]:
+    # A patch is a module (``name.py``) or, once it grows, a package of small modules (``name/``).
+    return sorted({entry[:-3] if entry.endswith(".py") else entry
+                   for folder in pkg.__path__ for entry in os.listdir(folder)
+                   if not entry.startswith("_") and (entry.endswith(".py")
+                                                     or os.path.isfile(os.path.join(folder, entry, "__init__.py")))})
+
+
+class LazyPatches(Mapping):
+    """Patch records by id, each patch module imported only when its record is first needed.
+
+    Built from the package's ``INDEX`` (``{patch id: (module, target modules)}``): the registry
+    registers import hooks from the index alone, so ``import metapatch`` imports no patch module;
+    a target's import (or ``status()``) loads the record. Modules the index does not name are
+    loaded at once, so a forgotten entry costs import time, never a patch."""
+
+    def __init__(self, package: str, index: Dict[str, Tuple[str, Tuple[str, ...]]],
+                 eager: Iterable[Tuple[str, Patch]] = ()):
+        self._package = package
+        self._index = dict(index)
+        self._records: Dict[str, Patch] = {}
+        module_of = {pid: entry[0] for pid, entry in self._index.items()}
+        for module_name, patch in eager:  # (module name, record) of modules the index misses
+            if patch.id in self._records or patch.id in self._index:
+                raise ValueError(f"two patches share the id {patch.id!r}")
+            self._records[patch.id] = patch
+            module_of[patch.id] = module_name
+        # file-name order, as load_patches
+        self._order = sorted(set(self._index) | set(self._records), key=lambda pid: (module_of.get(pid, ""), pid))
+
+    def modules_of(self, patch_id: str) -> Tuple[str, ...]:
+        record = self._records.get(patch_id)
+        return record.modules if record is not None else tuple(self._index[patch_id][1])
+
+    def __getitem__(self, patch_id: str) -> Patch:
+        record = self._records.get(patch_id)
+        if record is None:
+            module_name, targets = self._index[patch_id]  # KeyError for an unknown id, as a dict
+            import importlib
+
+            record = getattr(importlib.import_module(f"{self._package}.{module_name}"), "PATCH", None)
+            if not isinstance(record, Patch) or record.id != patch_id:
+                raise RuntimeError(f"{self._package}.INDEX[{patch_id!r}] does not match {self._package}.{module_name}"
+                                   f".PATCH ({record!r}); update the index (tests/test_registry.py prints it)")
+            # (Target modules that differ from the index: the record wins; the registry hooks the
+            # record's modules when it applies it. tests/test_registry.py keeps the two equal.)
+            self._records[patch_id] = record
+        return record
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._order)
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+
+def lazy_patches(package: str = "metapatch.patches") -> LazyPatches:
+    """:func:`load_patches`, but patch modules listed in the package's ``INDEX`` load on demand."""
+    import importlib
+
+    pkg = importlib.import_module(package)
+    names = _patch_module_names(pkg)
+    index = {pid: (module, tuple(targets)) for pid, (module, targets) in getattr(pkg, "INDEX", {}).items()
+             if module in names}  # an entry whose module was removed is ignored
+    indexed = {module for module, _ in index.values()}
+    eager = []
+    for name in names:
+        if name in indexed:
+            continue
+        patch = getattr(importlib.import_module(f"{package}.{name}"), "PATCH", None)
+        if isinstance(patch, Patch):
+            eager.append((name, patch))
+    return LazyPatches(package, index, eager)

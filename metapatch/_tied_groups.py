@@ -18,7 +18,6 @@ Import-cheap: nothing from torch or the Hugging Face stack at module level.
 
 from __future__ import annotations
 
-import warnings
 from collections import OrderedDict, defaultdict
 from typing import Any, Callable, Dict, Iterable, List, Mapping, MutableMapping, Optional, Sequence, Tuple
 
@@ -360,10 +359,10 @@ def warn_split_groups(moves: Sequence[Tuple[str, str, Any, Any]], stacklevel: in
     message = ("metapatch: the device_map split tied parameter groups, which would leave the tied copies "
                "without a value (meta) after dispatch; they now read their source's value: "
                + split_pairs_message(moves))
-    import logging
+    # One channel, at the user's line (not transformers' from_pretrained); ``stacklevel`` is unused.
+    from ._warn import warn
 
-    logging.getLogger("metapatch").warning(message)
-    warnings.warn(message, TiedGroupsSplitWarning, stacklevel=stacklevel)
+    warn(message, TiedGroupsSplitWarning)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -463,5 +463,66 @@ def test_python_dash_m_status_runs():
                           env=_env(REPO))
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)
-    assert all(row["state"] in {"applied", "pending-import", "not-affected", "stale", "disabled", "failed"}
-               for row in rows)
+    assert all(row["state"] in {"applied", "pending-import", "not-affected", "not-measured", "stale", "conflict",
+                                "disabled", "failed"} for row in rows)
+
+
+def test_patch_index_matches_the_records():
+    # metapatch.patches.INDEX lets `import metapatch` register hooks without importing patch modules;
+    # it must name exactly what the records say.
+    import importlib
+
+    from metapatch._registry import _patch_module_names, load_patches
+
+    pkg = importlib.import_module("metapatch.patches")
+    records = {}
+    for name in _patch_module_names(pkg):
+        patch = getattr(importlib.import_module(f"metapatch.patches.{name}"), "PATCH", None)
+        if patch is not None:
+            records[patch.id] = (name, patch.modules)
+    expected = "INDEX = {\n" + "".join(f"    {pid!r}: {entry!r},\n" for pid, entry in records.items()) + "}"
+    index = {pid: (module, tuple(targets)) for pid, (module, targets) in pkg.INDEX.items()}
+    assert index == records, f"metapatch/patches/__init__.py is out of date; use:\n{expected}"
+    assert [p.id for p in load_patches()] == list(records)
+
+
+def test_lazy_records_load_with_their_target_only(world, tmp_path):
+    run = world()
+    with open(tmp_path / "fakepatches" / "__init__.py", "a") as init:
+        init.write("INDEX = {'fake-compute': ('p_compute', ('fakelib.core',)), 'fake-thing': ('p_thing', ('fakelib.core',))}\n")
+    out = run('''
+        from metapatch._registry import lazy_patches
+        reg = Registry(lazy_patches("fakepatches")); reg.install()
+        loaded_before = sorted(m for m in sys.modules if m.startswith("fakepatches."))
+        import fakelib.core
+        loaded_after = sorted(m for m in sys.modules if m.startswith("fakepatches."))
+        print(json.dumps({"before": loaded_before, "after": loaded_after, "states": states(reg),
+                          "order": [r["id"] for r in reg.status()], "compute": fakelib.core.compute(2),
+                          "method": fakelib.core.Thing().method(1)}))
+    ''')
+    assert out["before"] == [] and out["after"] == ["fakepatches.p_compute", "fakepatches.p_thing"]
+    assert out["states"] == {"fake-compute": "applied", "fake-thing": "applied"}
+    assert out["order"] == ["fake-compute", "fake-thing"]
+    assert (out["compute"], out["method"]) == (21, 200)
+
+
+def test_lazy_records_late_install_and_unindexed_module(world, tmp_path):
+    run = world()
+    with open(tmp_path / "fakepatches" / "__init__.py", "a") as init:
+        init.write("INDEX = {'fake-compute': ('p_compute', ('fakelib.core',))}\n")  # p_thing not indexed
+    out = run('''
+        from metapatch._registry import lazy_patches
+        import fakelib.core
+        reg = Registry(lazy_patches("fakepatches")); reg.install()
+        print(json.dumps({"states": states(reg), "compute": fakelib.core.compute(2),
+                          "method": fakelib.core.Thing().method(1)}))
+    ''')
+    assert out["states"] == {"fake-compute": "applied", "fake-thing": "applied"}
+    assert (out["compute"], out["method"]) == (21, 200)
+
+
+def test_import_metapatch_imports_no_patch_module():
+    code = "import sys, metapatch; print(sorted(m for m in sys.modules if m.startswith('metapatch.patches.')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=_env(REPO)).stdout.strip()
+    assert out == "[]"

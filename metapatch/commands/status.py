@@ -34,8 +34,13 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2))
     else:
         print(format_table(rows))
-    bad = [r["id"] for r in rows if r["state"] in ("stale", "failed")]
+    # not-measured is the truth about an install outside the support window, not an error.
+    bad = [r["id"] for r in rows if r["state"] in ERROR_STATES]
     return 1 if bad and strict_mode() else 0
+
+
+# States that METAPATCH_STRICT=1 turns into an error (the registry raises for them too).
+ERROR_STATES = ("stale", "conflict", "failed")
 
 
 def format_table(rows: list) -> str:
@@ -55,4 +60,15 @@ def format_table(rows: list) -> str:
         out.append(f"    upstream:  {row['upstream'] or '(not filed yet)'} [forwarded: {row['forwarded']}]")
         for note in row["notes"]:
             out.append(f"    note:      {note}")
+    unmeasured = [row["id"] for row in rows if row["state"] == "not-measured"]
+    if unmeasured:
+        out.append("")
+        out.append(f"NOT MEASURED: {', '.join(unmeasured)}: an installed version is outside metapatch's "
+                   "support window, so these patches are not applied and metapatch cannot say whether the "
+                   "bugs exist here. Run `metapatch selftest` to find out.")
+    conflicts = [row["id"] for row in rows if row["state"] == "conflict"]
+    if conflicts:
+        out.append("")
+        out.append(f"CONFLICT: {', '.join(conflicts)}: another library already replaced the target "
+                   "(named in the reason); metapatch left it alone.")
     return "\n".join(out)

@@ -1,2 +1,23 @@
 """One module per patch; each defines ``PATCH``, a :class:`metapatch.Patch`. Modules here must
 stay import-cheap: anything from torch or the Hugging Face stack is imported inside functions."""
+
+# patch id -> (module or package in this folder, the modules its targets live in). `import metapatch`
+# registers its import hooks from this table alone and imports a patch module only when one of its
+# target modules is imported (or `metapatch status` asks), which keeps `import metapatch` cheap.
+# tests/test_registry.py checks it against the records and prints the up-to-date table when they
+# differ. A patch module missing here is simply loaded at `import metapatch`: never a lost patch.
+INDEX = {
+    'accelerate-dispatch-skip-keys': ('accelerate_dispatch_skip_keys', ('accelerate.big_modeling',)),
+    'accelerate-emptiness-probe': ('accelerate_emptiness_probe', ('accelerate.hooks',)),
+    'bnb-params4bit-extra-attributes': ('bnb_params4bit_extra_attributes', ('bitsandbytes.nn.modules',)),
+    'bnb-quant-state-offload': ('bnb_quant_state_offload', ('bitsandbytes.functional', 'bitsandbytes.nn.modules')),
+    'diffusion-gemma-offloaded-embeddings': ('diffusion_gemma_offloaded_embeddings', ('transformers.models.diffusion_gemma.modeling_diffusion_gemma',)),
+    'gguf-lazy-eager-mix': ('gguf_lazy_eager_mix', ('gguf.lazy',)),
+    'offloaded-move-guard': ('offloaded_move_guard', ('torch.nn.modules.module', 'accelerate.hooks')),
+    'peft-offload-redispatch': ('peft_offload_redispatch', ('peft.peft_model', 'peft.mixed_model', 'peft.tuners.tuners_utils')),
+    'tied-device-map-accelerate': ('tied_device_map_accelerate', ('accelerate.utils.modeling',)),
+    'tied-device-map-disk-index': ('tied_device_map_disk_index', ('transformers.integrations.accelerate',)),
+    'tied-device-map-meta-pointer': ('tied_device_map_meta_pointer', ('accelerate.hooks',)),
+    'tied-device-map-transformers': ('tied_device_map_transformers', ('transformers.integrations.accelerate',)),
+    'tied-device-map-transformers-v4': ('tied_device_map_transformers_v4', ('transformers.modeling_utils',)),
+}
