@@ -1,0 +1,188 @@
+"""Build a patch's survey table: the static part (releases -> fingerprints -> variants) and, with
+``--run``, the reproducer runs on one release per variant combined with its companions.
+
+Companions vary together rather than one axis at a time: for a transformers variant the other
+distributions the patch touches (its targets, its ``affects``, what its scenarios import) are set
+all to their newest release in the window, then all to their oldest, then mixed, up to
+``max_combos`` combinations; distributions the patch does not touch are not installed at all.
+"""
+
+from __future__ import annotations
+
+from itertools import product
+from typing import Any, Callable, Dict, List, Optional
+
+from . import releases as rel
+from . import runner, static, table, variants
+
+METHOD = ("fingerprints read from each release's wheel; runs (python -m metapatch.survey.probe): 'bug' = the "
+          "patch's reproducers with this patch disabled and the others as shipped, 'patched' = this patch forced on "
+          "(gate open, any fingerprint accepted), 'diff' = this patch disabled and its upstream diff applied to a copy "
+          "of the installed package; measured on the newest and oldest release of each row, bisected where they differ")
+CORE = ("transformers", "accelerate")  # every reproducer builds a transformers model and dispatches it
+
+
+def scenario_needs(patch: Any) -> set:
+    """Distributions of the window that the patch's reproducer modules import (read, not imported)."""
+    import re
+
+    from ..tested_versions import SUPPORT_WINDOW
+
+    found = set()
+    for path in runner._scenario_files(patch.id):
+        text = path.read_text() if path.is_file() else ""
+        found |= {d for d in SUPPORT_WINDOW if re.search(rf"^\s*(from|import)\s+{d}\b", text, re.M)}
+    return found
+
+
+def target_dists(patch: Any) -> Dict[str, List[str]]:
+    """{distribution: [target dotted, ...]}; the distribution is the module's top-level package."""
+    out: Dict[str, List[str]] = {}
+    for target in patch.targets:
+        out.setdefault(target.module.split(".")[0], []).append(target.dotted)
+    return out
+
+
+def related_dists(patch: Any) -> List[str]:
+    names = set(CORE) | set(patch.affects) | set(target_dists(patch)) | scenario_needs(patch)
+    return sorted(d for d in names if rel.window_for(d))
+
+
+def _static_rows(dist: str, targets: List[str], refresh: bool, workers: int, log: Callable[[str], None],
+                 window: Optional[str] = None) -> Dict[str, Any]:
+    versions = rel.releases_in_window(dist, refresh, window)
+    progress = rel.Progress(f"{dist} wheels", len(versions))
+    # a distribution without targets is grouped by series: its wheels are not needed
+    archives = rel.fetch_all(dist, versions, workers, on_done=progress.step) if targets else {}
+    prints: Dict[str, Dict[str, str]] = {}
+    for version in versions:
+        path, error = archives.get(version, (None, ""))
+        prints[version] = static.archive_fingerprints(dist, version, path, targets) if path else \
+            {t: "download-failed" for t in targets}  # (an empty dict where there are no targets)
+        if error:
+            log(f"{dist} {version}: {error}")
+    series = None if targets else {v: variants.minor_series(v) for v in versions}
+    rows = variants.group(versions, prints, series)
+    section = {"window": window or rel.window_for(dist), "targets": targets, "releases": versions, "rows": rows}
+    if window:
+        section["note"] = f"no support window is declared for {dist}: surveyed over the patch's affects {window}"
+    return section
+
+
+def _installed_rows(dist: str, targets: List[str]) -> Dict[str, Any]:
+    """A target distribution outside the support window (torch, gguf): the installed release only."""
+    from ..diffs import installed_version
+
+    version = installed_version(dist)
+    if version is None:
+        return {"window": None, "targets": targets, "releases": [], "rows": [],
+                "note": f"{dist} is not installed where the survey ran; not measured"}
+    prints = static.installed_fingerprints(targets)
+    row = {"variant": "V1", "releases": [version], "range": f"=={version}", "fingerprints": dict(sorted(prints.items()))}
+    return {"window": None, "targets": targets, "releases": [version], "rows": [row],
+            "note": f"{dist} is outside the support window: only the installed {version} is measured"}
+
+
+def static_table(patch: Any, refresh: bool = False, workers: int = 4, log: Callable[[str], None] = print) -> Dict[str, Any]:
+    dists: Dict[str, Any] = {}
+    by_dist = target_dists(patch)
+    for dist in sorted(set(by_dist) | set(patch.affects)):
+        targets = sorted(by_dist.get(dist, []))
+        if rel.window_for(dist):
+            dists[dist] = _static_rows(dist, targets, refresh, workers, log)
+        elif dist in patch.affects:  # a distribution of its own (gguf): its affects range is its window
+            dists[dist] = _static_rows(dist, targets, refresh, workers, log, patch.affects[dist])
+        else:  # torch: only the installed release (its wheels are gigabytes, and it is pinned)
+            dists[dist] = _installed_rows(dist, targets)
+    return {"patch": patch.id, "schema": 1, "distributions": dists, "method": METHOD}
+
+
+def carry_runs(new: Dict[str, Any], old: Optional[Dict[str, Any]]) -> None:
+    """Keep the measured rows of an earlier table where the code did not change: a new static row
+    is replaced by the old measured rows with its fingerprints when they cover exactly its releases
+    (a row split by bisection stays split). A --static refresh must not throw measurements away."""
+    if not old:
+        return
+    for dist, section in new["distributions"].items():
+        previous: Dict[tuple, List[Dict[str, Any]]] = {}
+        for row in old.get("distributions", {}).get(dist, {}).get("rows", []):
+            if row.get("runs"):
+                previous.setdefault(tuple(sorted(row["fingerprints"].items())), []).append(row)
+        rows = []
+        for row in section["rows"]:
+            same = [r for r in previous.get(tuple(sorted(row["fingerprints"].items())), [])
+                    if set(r["releases"]) <= set(row["releases"])]
+            if same and sorted(v for r in same for v in r["releases"]) == sorted(row["releases"]):
+                for r in sorted(same, key=lambda r: row["releases"].index(r["releases"][0])):
+                    rng = variants.exact_range(section["releases"], r["releases"][0], r["releases"][-1])
+                    rows.append({**r, "variant": row["variant"], "range": rng})
+            else:
+                rows.append(row)
+        section["rows"] = rows
+
+
+def combinations(patch: Any, dist: str, version: str, max_combos: int) -> List[Dict[str, str]]:
+    """Pins for one release of a variant: companions all newest, all oldest, then mixed."""
+    companions = [d for d in related_dists(patch) if d != dist]
+    ends = {d: (rel.releases_in_window(d)[-1], rel.releases_in_window(d)[0]) for d in companions}
+    order = [tuple(0 for _ in companions), tuple(1 for _ in companions)]
+    order += [c for c in product((0, 1), repeat=len(companions)) if c not in order]
+    combos = []
+    for choice in order[:max(1, max_combos)]:
+        pins = {dist: version, **{d: ends[d][i] for d, i in zip(companions, choice)}}
+        if pins not in combos:
+            combos.append(pins)
+    return combos
+
+
+def _measure(patch: Any, dist: str, version: str, max_combos: int, timeout: float, progress: Any,
+             log: Callable[[str], None]) -> List[Dict[str, Any]]:
+    runs = []
+    for pins in combinations(patch, dist, version, max_combos):
+        result = runner.run_combination(patch.id, pins, timeout, log)
+        runs.append({"pins": result["pins"], **runner.verdict(result), "patch_source": result["patch_source"]})
+        progress.step(", ".join(f"{d} {v}" for d, v in sorted(pins.items())) + f": bug {runs[-1]['bug']}")
+    return runs
+
+
+def _measured_row(row: Dict[str, Any], releases: List[str], runs: List[Dict[str, Any]]) -> Dict[str, Any]:
+    return {**row, "releases": releases, "runs": runs}
+
+
+def run_row(row: Dict[str, Any], all_releases: List[str], measure: Callable[[str], List[Dict[str, Any]]]) -> List[Dict[str, Any]]:
+    """Run a row's newest and oldest release; when they disagree (the bug was fixed, or appeared,
+    outside the fingerprinted code) bisect for the boundary and split the row there. Both halves
+    keep the variant id: same code, different measured behaviour."""
+    releases = row["releases"]
+    newest = measure(releases[-1])
+    if len(releases) == 1:
+        return [_measured_row(row, releases, newest)]
+    oldest = measure(releases[0])
+    lo, hi, at = 0, len(releases) - 1, {0: oldest, len(releases) - 1: newest}
+    status = lambda runs: table.row_status({"runs": runs})  # noqa: E731
+    if status(oldest) == status(newest) or table.UNDECIDED in (status(oldest), status(newest)):
+        return [_measured_row(row, releases, oldest + newest)]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        at[mid] = measure(releases[mid])
+        lo, hi = (mid, hi) if status(at[mid]) == status(oldest) else (lo, mid)
+    first, second = releases[:hi], releases[hi:]
+    last = len(releases) - 1
+    first_runs = at[0] + (at[lo] if lo else [])  # both ends of each half, where measured
+    second_runs = at[hi] + (at[last] if hi != last else [])
+    return [dict(_measured_row(row, first, first_runs), range=variants.exact_range(all_releases, first[0], first[-1])),
+            dict(_measured_row(row, second, second_runs), range=variants.exact_range(all_releases, second[0], second[-1]))]
+
+
+def run_table(table_: Dict[str, Any], patch: Any, max_combos: int, timeout: float, only_dists: List[str],
+              log: Callable[[str], None] = print) -> None:
+    """Replace each row by its measured row(s) in place; cached combinations cost nothing."""
+    for dist, section in table_["distributions"].items():
+        if section.get("window") is None or (only_dists and dist not in only_dists):
+            continue
+        estimate = sum(min(len(r["releases"]), 2) for r in section["rows"]) * max(1, max_combos)
+        progress = rel.Progress(f"{patch.id} runs on {dist} (about {estimate})", estimate)
+        measure = lambda version: _measure(patch, dist, version, max_combos, timeout, progress, log)  # noqa: E731
+        ends = [v for r in section["rows"] for v in dict.fromkeys((r["releases"][-1], r["releases"][0]))]
+        runner.prefetch([p for v in ends for p in combinations(patch, dist, v, max_combos)], log)
+        section["rows"] = [half for row in section["rows"] for half in run_row(row, section["releases"], measure)]

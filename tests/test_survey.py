@@ -1,0 +1,201 @@
+"""metapatch survey: the static fingerprint reader agrees with the runtime check, and every Patch
+record agrees with its committed survey table (metapatch/survey/tables/<id>.json).
+
+No network: the tables are committed; refresh them with ``metapatch survey --all --static`` (and
+``metapatch survey ID --run`` for the measured columns).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import metapatch
+from metapatch._registry import fingerprint, resolve
+from metapatch.survey import check, static, table, variants
+
+REPO = Path(__file__).resolve().parents[1]
+VENVS = ("/work/venvs/seed", "/work/venvs/latest")
+
+# ---------------------------------------------------------------------------------------------
+# The static reader locates what inspect.getsource returns
+
+
+SYNTHETIC = '''
+import functools
+
+def plain(x):
+    """doc"""
+    return x + 1
+
+def deco(f):
+    return f
+
+class Outer:
+    class Inner:
+        @staticmethod
+        @deco
+        def method(x):
+            return x * 2
+
+    if True:
+        def conditional(self):
+            return 1
+    else:
+        def conditional(self):
+            return 2
+
+    @property
+    def prop(self):
+        return 3
+
+try:
+    def guarded(y):
+        return y - 1
+except ImportError:
+    pass
+'''
+
+
+@pytest.mark.parametrize("qualname", ["plain", "Outer", "Outer.Inner", "Outer.Inner.method", "Outer.prop",
+                                      "guarded"])
+def test_static_segment_hashes_like_inspect(tmp_path, monkeypatch, qualname):
+    (tmp_path / "mp_survey_synthetic.py").write_text(SYNTHETIC)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("mp_survey_synthetic")
+    _, _, obj = resolve(module, qualname)
+    assert static.fingerprint_in_source(SYNTHETIC, qualname) == fingerprint(obj)
+
+
+def test_static_reader_reports_absent_objects_and_modules():
+    assert static.fingerprint_in_source(SYNTHETIC, "Outer.missing") == static.ABSENT
+    assert static.fingerprint_in_source(None, "plain") == static.MODULE_ABSENT
+    # the later of two definitions wins, as when the module runs; they differ, so this can fail
+    assert static.locate(SYNTHETIC, "Outer.conditional").strip().endswith("return 2")
+
+
+def test_variants_group_consecutive_releases_and_give_exact_ranges():
+    releases = ["1.0.0", "1.1.0", "1.2.0", "1.3.0"]
+    prints = {"1.0.0": {"t": "a"}, "1.1.0": {"t": "a"}, "1.2.0": {"t": "b"}, "1.3.0": {"t": "a"}}
+    rows = variants.group(releases, prints)
+    assert [(r["variant"], r["releases"], r["range"]) for r in rows] == [
+        ("V1", ["1.0.0", "1.1.0"], ">=1.0.0,<1.2.0"), ("V2", ["1.2.0"], ">=1.2.0,<1.3.0"), ("V1", ["1.3.0"], ">=1.3.0")]
+
+
+# ---------------------------------------------------------------------------------------------
+# (a) static == runtime for every Target of every patch, on the installed stacks
+
+PROBE = textwrap.dedent('''
+    import importlib, json, os
+    os.environ["METAPATCH_DISABLE"] = "all"
+    import metapatch
+    from metapatch._registry import fingerprint, resolve
+    from metapatch.survey.static import installed_fingerprints
+    out = {}
+    for patch in metapatch.registry.patches.values():
+        found = installed_fingerprints([t.dotted for t in patch.targets])
+        for t in patch.targets:
+            try:
+                runtime = fingerprint(resolve(importlib.import_module(t.module), t.qualname)[2])
+            except ModuleNotFoundError as exc:
+                runtime = "not-installed: " + str(exc)
+            except Exception as exc:
+                runtime = "error: %s: %s" % (type(exc).__name__, exc)
+            out[t.dotted] = [runtime, found[t.dotted]]
+    print(json.dumps(out))
+''')
+
+
+@pytest.mark.parametrize("venv", VENVS)
+def test_static_fingerprints_equal_runtime_ones(venv):
+    python = Path(venv) / "bin" / "python"
+    if not python.exists():
+        pytest.skip(f"{venv} does not exist on this machine")
+    proc = subprocess.run([str(python), "-c", PROBE], cwd=str(REPO), capture_output=True, text=True, timeout=600,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "HOME": str(Path.home())})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    pairs = json.loads(proc.stdout.strip().splitlines()[-1])
+    measured = {k: v for k, v in pairs.items() if not v[0].startswith("not-installed")}
+    assert len(measured) >= 15, f"too few targets importable in {venv}: {sorted(measured)}"
+    wrong = {k: v for k, v in measured.items() if v[0] != v[1]}
+    assert not wrong, f"static reader != runtime fingerprint in {venv} ([runtime, static]): {wrong}"
+
+
+# ---------------------------------------------------------------------------------------------
+# (b) every Patch record agrees with its survey table
+
+PATCH_IDS = sorted(metapatch.registry.patches)
+
+
+@pytest.mark.parametrize("patch_id", PATCH_IDS)
+def test_patch_record_agrees_with_its_survey_table(patch_id):
+    patch = metapatch.registry.patches[patch_id]
+    surveyed = table.read(patch_id)
+    assert surveyed is not None, (
+        f"{patch_id} has no survey table: run `metapatch survey {patch_id}` (static) or "
+        f"`metapatch survey {patch_id} --run`, and commit metapatch/survey/tables/{patch_id}.json")
+    found = check.problems(patch, surveyed)
+    assert not found, "the Patch record disagrees with its survey table:\n" + "\n".join(found)
+
+
+def test_check_catches_a_record_that_disagrees():
+    """The check is not vacuous: a record whose range and fingerprints are wrong for a table fails."""
+    target = metapatch.Target("pkg.mod", "f", ("aaaa", "dead"), wrapper=lambda *a: None)
+    patch = metapatch.Patch("synthetic", "t", {"pkg": ">=2.0"}, (target,))
+    rows = variants.group(["1.0", "2.0", "3.0"], {"1.0": {"pkg.mod:f": "aaaa"}, "2.0": {"pkg.mod:f": "aaaa"},
+                                                  "3.0": {"pkg.mod:f": "bbbb"}})
+    measured = {"pins": {"pkg": "1.0"}, "bug": "yes", "error": "KeyError", "patched": "pass", "diff": "pass"}
+    rows[0]["runs"] = [measured]
+    synthetic = {"patch": "synthetic", "distributions": {"pkg": {
+        "window": ">=1.0", "targets": ["pkg.mod:f"], "releases": ["1.0", "2.0", "3.0"], "rows": rows}}}
+    found = "\n".join(check.problems(patch, synthetic))
+    assert "dead is in the record but in no pkg release" in found
+    assert "1.0 lie outside affects" in found  # measured affected, outside the range
+    assert "fingerprint bbbb" in found and "goes stale" in found  # 3.0 inside affects, code not accepted
+
+
+def _run(bug: str) -> dict:
+    return {"pins": {}, "bug": bug, "error": "E" if bug == "yes" else "", "patched": "pass", "diff": "no diff",
+            "fixed": ["s"] if bug == "yes" else []}
+
+
+def test_run_row_bisects_a_fix_outside_the_fingerprinted_code():
+    """One code variant, but the bug is gone from 1.4 on (fixed elsewhere): the row splits there."""
+    from metapatch.survey import plan
+
+    releases = ["1.0", "1.1", "1.2", "1.3", "1.4", "1.5"]
+    row = variants.group(releases, {v: {"t": "same"} for v in releases})[0]
+    measured = []
+
+    def measure(version):
+        measured.append(version)
+        return [_run("yes" if version < "1.4" else "no")]
+
+    rows = plan.run_row(row, releases, measure)
+    assert [(r["releases"], r["range"], table.row_status(r)) for r in rows] == [
+        (["1.0", "1.1", "1.2", "1.3"], ">=1.0,<1.4", table.AFFECTED), (["1.4", "1.5"], ">=1.4", table.NOT_AFFECTED)]
+    assert len(measured) <= 5 and {"1.0", "1.5"} <= set(measured)
+    # a --static refresh keeps the split measured rows instead of the one static row
+    static_table = {"distributions": {"pkg": {"releases": releases, "rows": [dict(row)]}}}
+    plan.carry_runs(static_table, {"distributions": {"pkg": {"rows": rows}}})
+    assert [r["releases"] for r in static_table["distributions"]["pkg"]["rows"]] == [releases[:4], releases[4:]]
+
+
+def test_static_reader_follows_a_name_the_module_imports(tmp_path, monkeypatch):
+    """``getattr(module, name)`` finds an imported function; the static reader must hash the same one."""
+    pkg = tmp_path / "mp_survey_pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "impl.py").write_text("def helper(x):\n    return x * 3\n")
+    (pkg / "api.py").write_text("try:\n    from .sub.impl import helper as exported\nexcept ImportError:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    api = importlib.import_module("mp_survey_pkg.api")
+    found = static.fingerprints(lambda m: static.read_module_from_site(tmp_path, m), ["mp_survey_pkg.api:exported"])
+    assert found == {"mp_survey_pkg.api:exported": fingerprint(resolve(api, "exported")[2])}
