@@ -4,8 +4,10 @@ tests do not depend on which other patches ship."""
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +17,7 @@ import pytest
 import metapatch
 from metapatch.commands import doctor, selftest
 from metapatch.patches.offloaded_move_guard import PATCH
-from metapatch.selftest import all_scenarios, scenarios_for
+from metapatch.selftest import Scenario, all_scenarios, run_scenario, scenarios_for
 
 ROOT = Path(__file__).resolve().parents[1]
 AFFECTED = metapatch.registry._gate(PATCH)[0]
@@ -99,6 +101,122 @@ def test_verdicts_and_exit_code(affected, expected, unpatched, patched, verdict,
     row = _row(affected, expected, unpatched, patched)
     assert (row.verdict, row.ok) == (verdict, ok)
     assert selftest.exit_code([_row(True, "E", False, True), row]) == (0 if ok else 1)
+
+
+# -- n/a: a scenario whose model class is missing -------------------------------------------------
+# A synthetic scenario module (written to a temporary folder that the child runs get on their path)
+# so that these tests do not depend on which transformers is installed.
+
+SYNTHETIC = """
+from metapatch.selftest import NotApplicable
+
+def missing_class(workdir):
+    raise NotApplicable("needs transformers >= 99.0 (ImaginaryForCausalLM)")
+
+def import_error(workdir):
+    from metapatch import ImaginaryForCausalLM  # the author forgot to check: must stay a failure
+    return {}
+
+def missing_submodule(workdir):
+    import metapatch.models_that_do_not_exist  # a dotted module, not a missing distribution
+    return {}
+
+def works(workdir):
+    return {"max_abs_diff": 0.0}
+"""
+
+
+@pytest.fixture
+def synthetic(tmp_path, monkeypatch):
+    folder = tmp_path / "synthetic"
+    folder.mkdir()
+    (folder / "synthetic_scenarios.py").write_text(SYNTHETIC)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("METAPATCH_SELFTEST_FORK", "0")  # fresh interpreters read PYTHONPATH; the warm parent does not
+    scenarios = {name: Scenario("synthetic-patch", name, f"synthetic_scenarios:{name.replace('-', '_')}",
+                                expected_error="KeyError")
+                 for name in ("missing-class", "import-error", "missing-submodule", "works")}
+    return scenarios
+
+
+def _run_cli(monkeypatch, capsys, scenarios, *extra):
+    import metapatch.selftest as selftest_package
+
+    monkeypatch.setattr(selftest_package, "all_scenarios", lambda: list(scenarios))
+    parser = argparse.ArgumentParser()
+    selftest.add_arguments(parser)
+    code = selftest.run(parser.parse_args(list(extra)))
+    return code, capsys.readouterr().out
+
+
+def test_not_applicable_outcome_is_neither_pass_nor_failure(synthetic):
+    outcome = run_scenario(synthetic["missing-class"], patched=False)
+    assert outcome.not_applicable == "needs transformers >= 99.0 (ImaginaryForCausalLM)"
+    assert outcome.passed is False and outcome.error_type == "NotApplicable"
+    works = run_scenario(synthetic["works"], patched=True)
+    assert works.passed and works.not_applicable is None
+
+
+def test_import_error_of_a_model_class_is_not_turned_into_na(synthetic):
+    for name, error_type in (("import-error", "ImportError"), ("missing-submodule", "ModuleNotFoundError")):
+        outcome = run_scenario(synthetic[name], patched=False)
+        assert (outcome.passed, outcome.not_applicable, outcome.error_type) == (False, None, error_type)
+
+
+def test_selftest_reports_na_and_keeps_exit_code_0(synthetic, monkeypatch, capsys):
+    code, out = _run_cli(monkeypatch, capsys, [synthetic["missing-class"], synthetic["works"]])
+    lines = out.splitlines()
+    row = next(line for line in lines if line.startswith("synthetic-patch/missing-class"))
+    assert row.split()[2] == "n/a"  # the unpatched column
+    assert row.endswith("n/a (needs transformers >= 99.0 (ImaginaryForCausalLM))")
+    assert "FAILED" not in out and "passed" not in row
+    assert lines[-1].startswith("2 scenarios in") and "1 n/a" in lines[-1] and "1 passes" in lines[-1]
+    assert "fixes every affected scenario" in lines[-1]
+    assert code == 0
+
+
+def test_selftest_json_reports_na_with_its_own_status(synthetic, monkeypatch, capsys):
+    code, out = _run_cli(monkeypatch, capsys, [synthetic["missing-class"]], "--json")
+    data = json.loads(out)
+    (row,) = data["rows"]
+    assert row["verdict"] == "n/a (needs transformers >= 99.0 (ImaginaryForCausalLM))"
+    assert row["not_applicable"] == "needs transformers >= 99.0 (ImaginaryForCausalLM)"
+    assert row["ok"] is True and row["patched"] is None  # the patched run is not needed
+    assert row["unpatched"]["not_applicable"] == row["not_applicable"] and not row["unpatched"]["passed"]
+    assert code == data["exit_code"] == 0
+
+
+def test_selftest_import_error_still_fails_the_run(synthetic, monkeypatch, capsys):
+    code, out = _run_cli(monkeypatch, capsys, [synthetic["missing-class"], synthetic["import-error"],
+                                               synthetic["missing-submodule"]], "--json")
+    rows = {row["scenario"]: row for row in json.loads(out)["rows"]}
+    assert rows["synthetic-patch/import-error"]["verdict"] == "FAILED"
+    assert rows["synthetic-patch/missing-submodule"]["verdict"] == "FAILED"
+    assert rows["synthetic-patch/missing-class"]["verdict"].startswith("n/a (")
+    assert code == 1
+
+
+@pytest.mark.parametrize("unpatched_na, patched_na, verdict, ok", [
+    ("needs x", None, "n/a (needs x)", True),       # the patched run is skipped
+    ("needs x", "needs x", "n/a (needs x)", True),
+])
+def test_na_verdicts(unpatched_na, patched_na, verdict, ok):
+    row = selftest.Row("p/s", "p", "", True, "gate", expected_error="E")
+    row.unpatched = {"passed": False, "error_type": "NotApplicable", "not_applicable": unpatched_na}
+    if patched_na:
+        row.patched = {"passed": False, "error_type": "NotApplicable", "not_applicable": patched_na}
+    row = selftest.judge(row)
+    assert (row.verdict, row.ok) == (verdict, ok)
+    assert selftest.exit_code([_row(True, "E", False, True), row]) == 0
+
+
+def test_na_in_only_one_run_is_a_failure():
+    row = selftest.Row("p/s", "p", "", True, "gate", expected_error="E")
+    row.unpatched = {"passed": False, "error_type": "KeyError", "not_applicable": None}
+    row.patched = {"passed": False, "error_type": "NotApplicable", "not_applicable": "needs x",
+                   "error": "needs x", "traceback_tail": ""}
+    assert (selftest.judge(row).verdict, row.ok) == ("FAILED", False)
+    assert any("n/a in only one of the two runs" in line for line in selftest.format_details(row))
 
 
 # -- doctor ---------------------------------------------------------------------------------------

@@ -11,7 +11,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 HELP = ("run every shipped reproducer against the installed versions, each in a subprocess without and "
         "with metapatch, and show whether metapatch fixes it here (exit 0 only when every scenario passes "
-        "with metapatch)")
+        "with metapatch; scenarios that do not apply to the installed versions are reported n/a and do not "
+        "change the exit code)")
 
 EPILOG = """verdicts:
   fixed            affected install: fails without metapatch, passes with it
@@ -20,6 +21,8 @@ EPILOG = """verdicts:
   FAILED           the run with metapatch failed: metapatch does not fix this install (exit code 1)
   BUG OUTSIDE GATE not affected by the version gate, yet the bug reproduces (exit code 1; please report)
   skipped          a package the scenario needs is not installed
+  n/a (REASON)     the scenario's model class or API does not exist in the installed versions
+                   (e.g. "needs transformers >= 5.6"): neither passed nor failed, exit code unchanged
 """
 
 
@@ -37,6 +40,7 @@ class Row:
     verdict: str = ""
     ok: bool = True
     seconds: float = 0.0
+    not_applicable: Optional[str] = None  # why the scenario does not apply here (verdict "n/a (...)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,12 +75,24 @@ def _outcome_summary(outcome: Any, patch_id: str) -> Dict[str, Any]:
         "seconds": round(outcome.seconds, 2),
         "patch_state": outcome.states.get(patch_id),
         "traceback_tail": outcome.traceback[-1500:] if not outcome.passed else "",
+        "not_applicable": outcome.not_applicable,
     }
 
 
 def judge(row: Row) -> Row:
     """Fill verdict and ok from the two outcomes."""
     unpatched, patched = row.unpatched or {}, row.patched or {}
+    if unpatched.get("not_applicable") and (not patched or patched.get("not_applicable")):
+        # The scenario cannot run on these versions (its model class is missing): the patched
+        # run is skipped, as it would say the same, and nothing is claimed either way.
+        row.not_applicable = unpatched["not_applicable"]
+        row.verdict, row.ok = f"n/a ({row.not_applicable})", True
+        return row
+    if unpatched.get("not_applicable") or patched.get("not_applicable"):
+        # Applicability does not depend on metapatch: one n/a run and one real run means the
+        # scenario (or the patch) changes what exists, so neither result can be trusted.
+        row.verdict, row.ok = "FAILED", False
+        return row
     reproduced = not unpatched.get("passed", True)
     if not patched.get("passed", False):
         row.verdict, row.ok = "FAILED", False
@@ -97,6 +113,16 @@ def _missing_distribution(reason: str) -> bool:
     return reason.endswith("is not installed")
 
 
+def _missing_package(outcome: Any) -> bool:
+    """The run failed because a whole distribution the scenario imports (peft, bitsandbytes) is
+    not installed. A missing submodule (``transformers.models.gemma4``) or model class is not
+    this: the scenario should have raised NotApplicable, so that stays a failure."""
+    if outcome.passed or outcome.error_type != "ModuleNotFoundError":
+        return False
+    name = (outcome.error or "").partition("No module named ")[2].strip("'\" ")
+    return bool(name) and "." not in name
+
+
 def run_one(scenario: Any, registry: Any, timeout: float) -> Row:
     from metapatch.selftest import run_scenario
 
@@ -112,13 +138,15 @@ def run_one(scenario: Any, registry: Any, timeout: float) -> Row:
         return row
     started = time.perf_counter()
     unpatched = run_scenario(scenario, patched=False, timeout=timeout)
-    patched = run_scenario(scenario, patched=True, timeout=timeout)
-    row.seconds = round(time.perf_counter() - started, 2)
     row.unpatched = _outcome_summary(unpatched, scenario.patch_id)
-    row.patched = _outcome_summary(patched, scenario.patch_id)
-    if not patched.passed and (patched.error_type or "").startswith("ModuleNotFound"):
-        row.verdict, row.ok = "skipped", True  # an optional package the scenario imports is missing
-        return row
+    if unpatched.not_applicable is None:
+        patched = run_scenario(scenario, patched=True, timeout=timeout)
+        row.patched = _outcome_summary(patched, scenario.patch_id)
+        if _missing_package(patched):
+            row.seconds = round(time.perf_counter() - started, 2)
+            row.verdict, row.ok = "skipped", True  # an optional package the scenario imports is missing
+            return row
+    row.seconds = round(time.perf_counter() - started, 2)
     return judge(row)
 
 
@@ -134,12 +162,16 @@ def _affected_text(row: Row) -> str:
 def _unpatched_text(row: Row) -> str:
     if row.unpatched is None:
         return "-"
+    if row.unpatched.get("not_applicable"):
+        return "n/a"
     return "passes" if row.unpatched["passed"] else str(row.unpatched["error_type"])
 
 
 def _patched_text(row: Row) -> str:
     if row.patched is None:
         return "-"
+    if row.patched.get("not_applicable"):
+        return "n/a"
     if row.patched["passed"]:
         diff = row.patched.get("max_abs_diff")
         text = "pass" + (f", max diff {diff:g}" if isinstance(diff, (int, float)) else "")
@@ -165,7 +197,11 @@ def format_details(row: Row) -> List[str]:
     out = []
     if row.verdict in ("FAILED", "BUG OUTSIDE GATE", "not reproduced", "skipped"):
         out.append(f"    gate: {row.gate}")
-    if row.patched and not row.patched["passed"]:
+    if row.verdict == "FAILED" and any((r or {}).get("not_applicable") for r in (row.unpatched, row.patched)):
+        out.append("    n/a in only one of the two runs: "
+                   + "; ".join(f"{label}: {r.get('not_applicable') or 'ran'}"
+                               for label, r in (("without metapatch", row.unpatched), ("with metapatch", row.patched))))
+    elif row.patched and not row.patched["passed"]:
         out.append(f"    with metapatch: {row.patched['error_type']}: {row.patched['error']}")
         out.extend("    | " + line for line in row.patched["traceback_tail"].strip().splitlines()[-6:])
     if row.verdict == "BUG OUTSIDE GATE" and row.unpatched:
@@ -177,7 +213,8 @@ def summary_line(rows: Sequence[Row], seconds: float) -> str:
     failed = [r.scenario for r in rows if not r.ok]
     counts: Dict[str, int] = {}
     for row in rows:
-        counts[row.verdict] = counts.get(row.verdict, 0) + 1
+        kind = "n/a" if row.not_applicable else row.verdict  # one count, whatever each one's reason
+        counts[kind] = counts.get(kind, 0) + 1
     text = ", ".join(f"{n} {v}" for v, n in counts.items()) or "no scenarios"
     verdict = "metapatch fixes every affected scenario on this install" if not failed \
         else f"NOT fixed here: {', '.join(failed)}"

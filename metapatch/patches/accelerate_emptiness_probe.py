@@ -59,12 +59,16 @@ def build_attach_execution_device_hook(original: Callable[..., Any]) -> Callable
 PATCH = Patch(
     id="accelerate-emptiness-probe",
     title="accelerate's attach_execution_device_hook counts tensors instead of calling state_dict()",
-    # The state_dict() probe is in every 1.x release. The source fingerprint is the same in 1.6.0,
-    # 1.10.0, 1.12.0, 1.13.0 and 1.15.0 (the latest); 1.0.0 differs (its recursion drops
-    # preload_module_classes), so there the patch reports itself stale rather than change more
-    # than the probe. No release fixes it: upper end open.
-    affects={"accelerate": ">=1.0.0"},
+    # Measured across the support window: bnb-quant-state-offload/dispatch-double-quant fails
+    # unpatched with "Tensor.item() cannot be called on meta tensors" (the probe's state_dict())
+    # and passes patched on accelerate 1.10.0 (transformers 4.57.1, bitsandbytes 0.46.1), 1.10.1
+    # (4.57.6, 0.48.2), 1.11.0 (5.2.0, 0.47.0), 1.12.0 (5.0.0, 0.46.1), 1.13.0 (5.11.0, 0.50.2),
+    # 1.14.0 (4.57.6, 0.49.2) and 1.15.0 (5.24.0, 0.50.2). On 1.11.0/1.12.0 with bitsandbytes < 0.50
+    # the unpatched dispatch fails first with bnb-params4bit-extra-attributes' TypeError; the probe
+    # bug shows with that patch alone on. No release fixes it: upper end open.
+    affects={"accelerate": ">=1.10.0"},
     targets=(
+        # the same source in accelerate 1.10.0, 1.10.1, 1.11.0, 1.12.0, 1.13.0, 1.14.0 and 1.15.0
         Target("accelerate.hooks", "attach_execution_device_hook", fingerprints=("6496acf3fbf8dc5e",),
                replacement=build_attach_execution_device_hook),
     ),

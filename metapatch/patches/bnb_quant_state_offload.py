@@ -67,6 +67,18 @@ def _restore_into(state: Any, host: Any, device: Any) -> None:
     state.__dict__[HOST_ATTR] = host
 
 
+def _follow_live_dtype(state: Any, host: Any) -> None:
+    """bitsandbytes 0.49.x's ``matmul_4bit`` sets ``quant_state.dtype`` to the input's dtype at
+    every CPU forward, in place: an in-memory layer then carries (and serializes) that dtype. The
+    host copy follows it so that an offloaded layer stays identical to the in-memory one (seen
+    with transformers 4.57, which loads 4-bit models in float16 while computing in float32). Not
+    for a CPU-repacked state: there ``dtype`` is part of the repacked layout, which
+    ``_save_to_state_dict`` undoes from ``original_dtype``."""
+    live = state.__dict__.get("dtype")
+    if live is not None and not state.__dict__.get("packing_format_for_cpu", False) and live != host.dtype:
+        host.dtype = live
+
+
 def quant_state_to(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     device = _device_of(args, kwargs)
     if device is None:
@@ -75,6 +87,8 @@ def quant_state_to(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
         host = instance.__dict__.get(HOST_ATTR)
         if host is None and _is_meta(instance):
             return wrapped(*args, **kwargs)  # already meta, nothing to keep
+        if host is not None and not _is_meta(instance):
+            _follow_live_dtype(instance, host)
         # The meta state mirrors the host copy, not the live layout: a CPU-repacked state (the
         # last forward's) would otherwise be "un-repacked" on meta by _save_to_state_dict.
         _restore_into(instance, host if host is not None else _host_copy(instance), device)
@@ -129,18 +143,31 @@ def linear4bit_save_to_state_dict(wrapped: Any, instance: Any, args: tuple, kwar
 PATCH = Patch(
     id="bnb-quant-state-offload",
     title="bitsandbytes 4-bit weights survive accelerate cpu/disk offload (meta-safe QuantState)",
-    # Checked with bitsandbytes 0.46.1, 0.47.0, 0.48.2, 0.49.2 and 0.50.2 (torch 2.13, CPU): each has
-    # the in-place QuantState.to("meta") and fails both ways unpatched. 0.45.5 cannot run 4-bit on
-    # the CPU at all, so it was not verified. No fixed release yet: upper end open.
-    affects={"bitsandbytes": ">=0.46.1"},
+    # Measured (torch 2.13, CPU; the selftest scenarios fail unpatched with "Cannot copy out of meta
+    # tensor" / "Tensor.item() cannot be called on meta tensors" and pass patched) on bitsandbytes
+    # 0.46.1 (with transformers 4.57.1 and 5.0.0), 0.47.0 (5.2.0), 0.48.2 (4.57.6), 0.49.2 (4.57.6
+    # and 5.17.0) and 0.50.2 (5.11.0, 5.24.0): each has the in-place QuantState.to("meta"). 0.46.0:
+    # the same fingerprints as 0.46.1, and unrecoverable-offset-refused fails unpatched / passes
+    # patched; its 4-bit load scenarios are n/a there (transformers 5.x requires >= 0.46.1). 0.46.x
+    # quantizes only nf4 on the CPU, so fp4 is not run there. 0.45.5 cannot run 4-bit on the CPU at
+    # all, so it was not verified. No fixed release yet: upper end open.
+    affects={"bitsandbytes": ">=0.46.0"},
     targets=(
+        # the same source in 0.46.0, 0.46.1, 0.47.0, 0.48.2, 0.49.2 and 0.50.2
         Target("bitsandbytes.functional", "QuantState.to", fingerprints=("ce33140496adb702",),
                wrapper=quant_state_to),
         Target("bitsandbytes.functional", "QuantState.as_dict",
-               fingerprints=("842ca7fcf01993c9", "a7e927095b82daba"),
+               fingerprints=(
+                   "842ca7fcf01993c9",  # 0.50.2
+                   "a7e927095b82daba",  # 0.46.0, 0.46.1, 0.47.0, 0.48.2, 0.49.2
+               ),
                wrapper=quant_state_as_dict),
         Target("bitsandbytes.nn.modules", "Linear4bit._save_to_state_dict",
-               fingerprints=("bd3439b9a864beb1", "fcccc67292f23257", "fd03c2806f41e5b5"),
+               fingerprints=(
+                   "bd3439b9a864beb1",  # 0.49.2, 0.50.2
+                   "fcccc67292f23257",  # 0.46.0, 0.46.1, 0.48.2
+                   "fd03c2806f41e5b5",  # 0.47.0
+               ),
                wrapper=linear4bit_save_to_state_dict),
     ),
     upstream=Upstream(

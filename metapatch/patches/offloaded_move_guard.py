@@ -9,6 +9,11 @@ attributes), so ``model.model.to(...)``, ``torch.nn.Module.to(model, ...)``, ``m
 offloaded weights away. The guard checks before anything is converted and raises only when the move
 would certainly fail: a device move (not a dtype cast, not to meta) of a subtree holding a module
 with an accelerate offload hook whose tensors are on meta. Everything else calls straight through.
+
+The check walks the moved subtree, so it runs only once an offload hook can exist: a flag set by
+``AlignDevicesHook.init_hook`` (the one place every accelerate offload hook is attached through,
+``add_hook_to_module`` and ``SequentialHook`` alike) when the hook offloads. In a process that
+never offloads, a ``.to`` costs one flag test.
 """
 
 from __future__ import annotations
@@ -51,6 +56,36 @@ def _accelerator_device(kind: str) -> Callable[[tuple, dict], Optional[str]]:
 
 def _cpu_device(args: tuple, kwargs: dict) -> Optional[str]:
     return "cpu"
+
+
+# -- has any offload hook been attached? -------------------------------------------------------
+
+
+class _OffloadSeen:
+    """Whether an accelerate offload hook may exist in this process. ``seen`` only ever turns on:
+    a hook that was detached, or whose model was deleted, leaves it on, and so does a copy of a
+    hooked model (deepcopy, pickle), which never calls ``init_hook``. It starts on when the flag
+    could have missed hooks: ``init_hook`` was wrapped after accelerate.hooks had finished
+    importing (metapatch imported after accelerate, or re-installed after an unpatch)."""
+
+    seen = False
+
+
+def _track_offload_hooks(original: Any) -> Any:
+    hooks_module = sys.modules.get("accelerate.hooks")
+    spec = getattr(hooks_module, "__spec__", None)
+    # While accelerate.hooks is still executing (metapatch's import hook runs then), no hook
+    # instance can exist yet; any later install may come after hooks were attached unseen.
+    if not getattr(spec, "_initializing", False):
+        _OffloadSeen.seen = True
+
+    @functools.wraps(original)
+    def init_hook(self: Any, module: Any) -> Any:
+        if getattr(self, "offload", False):
+            _OffloadSeen.seen = True
+        return original(self, module)
+
+    return init_hook
 
 
 # -- what is offloaded -------------------------------------------------------------------------
@@ -177,7 +212,7 @@ def _guard(method: str, target_device: Callable[[tuple, dict], Optional[str]]) -
     def factory(original: Any) -> Any:
         @functools.wraps(original)
         def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if "accelerate.hooks" in sys.modules:
+            if _OffloadSeen.seen:
                 device = target_device(args, kwargs)
                 if device is not None:
                     _refuse_if_offloaded(self, method, args, kwargs, device)
@@ -194,7 +229,8 @@ def _call_args(args: tuple, kwargs: dict) -> str:
 
 _MODULE = "torch.nn.modules.module"
 _FINGERPRINTS = {
-    # torch 2.13.0, the same in every matrix environment
+    # torch 2.13.0 (the only torch metapatch is tested with), the same with every accelerate and
+    # transformers release measured above
     "to": ("d370dbc824384755",),
     "cuda": ("5717f31067ea014b",),
     "cpu": ("5f2d30e3d3ed02a5",),
@@ -211,15 +247,26 @@ _DEVICES = {
     "mtia": _accelerator_device("mtia"),
 }
 
+# accelerate.hooks.AlignDevicesHook.init_hook: the same source in accelerate 1.10.0, 1.10.1, 1.11.0,
+# 1.12.0, 1.13.0, 1.14.0 and 1.15.0 (the support window).
+_INIT_HOOK_FINGERPRINTS = ("a48dc7e28ef453c0",)
+
 PATCH = Patch(
     id=PATCH_ID,
     title="Clear error when a model with accelerate-offloaded weights (or a submodule, or a PeftModel) is moved to a device",
     # accelerate's own guard (instance attributes set by dispatch_model) covers only the top-level
-    # model.to/.cuda; measured on 1.13.0 and 1.15.0. No release guards more: the range stays open.
-    affects={"accelerate": ">=1.13"},
-    targets=tuple(
-        Target(_MODULE, f"Module.{method}", fingerprints=_FINGERPRINTS[method], replacement=_guard(method, _DEVICES[method]))
-        for method in ("to", "cuda", "cpu", "xpu", "ipu", "mtia")
+    # model.to/.cuda. Measured: move-offloaded-submodule and move-offloaded-peft-model fail
+    # unpatched with torch's raw "Cannot copy out of meta tensor" and pass patched on accelerate
+    # 1.10.0 (transformers 4.57.1), 1.10.1 (4.57.6), 1.11.0 (5.2.0), 1.12.0 (5.0.0), 1.13.0 (5.11.0),
+    # 1.14.0 (4.57.6, 5.17.0) and 1.15.0 (5.24.0): from the bottom of the support window up. No
+    # release guards more, so the range stays open.
+    affects={"accelerate": ">=1.10.0"},
+    targets=(
+        *(Target(_MODULE, f"Module.{method}", fingerprints=_FINGERPRINTS[method],
+                 replacement=_guard(method, _DEVICES[method]))
+          for method in ("to", "cuda", "cpu", "xpu", "ipu", "mtia")),
+        Target("accelerate.hooks", "AlignDevicesHook.init_hook", fingerprints=_INIT_HOOK_FINGERPRINTS,
+               replacement=_track_offload_hooks),
     ),
     upstream=Upstream(
         bug=("https://github.com/huggingface/accelerate/issues?q=%22Cannot+copy+out+of+meta+tensor%22",),

@@ -21,10 +21,20 @@ def main(function: str, workdir: str, result_file: str) -> int:
     except BaseException as exc:  # the outcome is the data: report every kind of failure
         result["error_type"] = type(exc).__name__
         result["error"] = str(exc)[:2000]
-        result["traceback"] = "".join(traceback.format_exception(exc))[-6000:]
+        result["traceback"] = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-6000:]
+        if _not_applicable(exc):
+            # Only the scenario's explicit NotApplicable: an ImportError of a model class stays
+            # a failure (the scenario should have checked and raised NotApplicable itself).
+            result["not_applicable"] = str(exc) or "not applicable to the installed versions"
     result["metapatch_status"] = {row["id"]: row["state"] for row in metapatch.status()}
     Path(result_file).write_text(json.dumps(result, default=str))
     return 0
+
+
+def _not_applicable(exc: BaseException) -> bool:
+    from metapatch.selftest import NotApplicable
+
+    return isinstance(exc, NotApplicable)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,11 @@ class Outcome:
     seconds: float = 0.0
     stderr_tail: str = ""
     states: Dict[str, str] = field(default_factory=dict)  # metapatch.status() in the child
+    # The scenario raised selftest.NotApplicable (its model class or API is missing here): the
+    # message, e.g. "needs transformers >= 5.6 (Gemma4ForCausalLM)". Such an outcome is neither a
+    # pass nor a failure; ``passed`` stays False so that code which only reads ``passed`` never
+    # mistakes it for a pass.
+    not_applicable: Optional[str] = None
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -111,7 +116,7 @@ def run_scenario(
         data = json.loads(result_file.read_text())
     return Outcome(scenario.key, patched, data["passed"], data.get("error_type"), data.get("error"),
                    data.get("traceback", ""), data.get("metrics", {}), seconds, stderr[-4000:],
-                   data.get("metapatch_status", {}))
+                   data.get("metapatch_status", {}), data.get("not_applicable"))
 
 
 def _run_fresh(function: str, workdir: Path, result_file: Path, env: Mapping[str, str], cwd: str,

@@ -14,10 +14,12 @@ import contextlib
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Tuple
 
+from . import NotApplicable
 from ._harness import Scenario
 
 PATCH_ID = "bnb-quant-state-offload"
 PROBE_PATCH_ID = "accelerate-emptiness-probe"
+EXTRA_ATTRIBUTES_PATCH_ID = "bnb-params4bit-extra-attributes"
 OFFLOADED_LAYERS = (1, 2)
 NUM_LAYERS = 4
 COMBOS_DOUBLE_QUANT = (("nf4", True, "float32"), ("fp4", True, "bfloat16"),
@@ -53,7 +55,18 @@ def load_quantized(path: Path, config: Any, device: Any = "cpu") -> Any:
     very same packed weights)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, quantization_config=config, device_map={"": device}).eval()
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, quantization_config=config, device_map={"": device}).eval()
+    except ImportError as exc:
+        # transformers 5.x refuses bitsandbytes 0.46.0 for 4-bit ("requires bitsandbytes>=0.46.1"):
+        # a combination that cannot load a 4-bit model at all, not the bug under test.
+        if "quantization requires bitsandbytes" not in str(exc):
+            raise
+        import bitsandbytes
+        import transformers
+
+        raise NotApplicable(f"transformers {transformers.__version__} does not load 4-bit models with "
+                            f"bitsandbytes {bitsandbytes.__version__}: {exc}") from exc
 
 
 def offload_map(offload_to: str, rest: Any = "cpu") -> Dict[str, Any]:
@@ -174,8 +187,30 @@ def _parents(model: Any, name: str) -> List[Any]:
     return [model.get_submodule(".".join(parts[:i])) for i in range(len(parts))]
 
 
+def quantizes_on(device: Any, quant_type: str) -> bool:
+    """Whether the installed bitsandbytes can quantize ``quant_type`` on ``device`` at all
+    (bitsandbytes 0.46.x quantizes only nf4 on the CPU): a capability of the release, not
+    anything offloading changes."""
+    import bitsandbytes.functional as F
+    import torch
+
+    try:
+        F.quantize_4bit(torch.randn(64, 64, device=device), quant_type=quant_type)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
 def _matrix(workdir: Path, combos: Tuple[Tuple[str, bool, str], ...], **placement: Any) -> Dict[str, Any]:
     metrics: Dict[str, Any] = {"max_abs_diff": 0.0}
+    device = placement.get("main_device", "cpu")
+    unsupported = [c for c in combos if not quantizes_on(device, c[0])]
+    if unsupported:
+        import bitsandbytes
+
+        metrics["not_supported_by_bitsandbytes"] = [f"{q}/dq={d}/{c}" for q, d, c in unsupported]
+        metrics["bitsandbytes"] = bitsandbytes.__version__
+        combos = tuple(c for c in combos if c not in unsupported)
     for quant_type, double_quant, compute_dtype in combos:
         result, reference_model, model = forward_matches_reference(workdir, quant_type, double_quant, compute_dtype,
                                                                    **placement)
@@ -201,13 +236,33 @@ def cpu_offload_gpu_main(workdir: Path) -> Dict[str, Any]:
     import torch
 
     if not torch.cuda.is_available():
-        raise RuntimeError("this scenario needs a CUDA device")
+        raise NotApplicable("needs a CUDA device")
     metrics: Dict[str, Any] = {"max_abs_diff": 0.0}
     for combos in (COMBOS_DOUBLE_QUANT, COMBOS_SINGLE_QUANT):
         result = _matrix(workdir, combos, offload_to="cpu", main_device=0)
         metrics["max_abs_diff"] = max(metrics["max_abs_diff"], result.pop("max_abs_diff"))
         metrics.update(result)
     return metrics
+
+
+def dispatch_as_loaded(workdir: Path) -> Dict[str, Any]:
+    """dispatch_model of a 4-bit model exactly as from_pretrained returned it (no copy: the
+    parameters keep the attributes transformers set on them) with layers on disk. accelerate
+    rebuilds each offloaded weight as Params4bit(meta, **old.__dict__); with transformers 5.x and
+    bitsandbytes < 0.50 that is a TypeError (``_is_hf_initialized``). Single quant, dispatch only:
+    the forward through offloaded 4-bit layers is bnb-quant-state-offload's scenario."""
+    import bitsandbytes as bnb
+
+    model = dispatch(load_quantized(base_checkpoint(workdir), quant_config("nf4", False)), workdir)
+    offloaded = offloaded_linears(model)
+    if not offloaded:
+        raise AssertionError("the device map was meant to offload 4-bit layers to disk; none found")
+    wrong = [name for name, m in offloaded
+             if not (isinstance(m.weight, bnb.nn.Params4bit) and m.weight.is_meta
+                     and m.weight.quant_state is not None and hasattr(m, "_hf_hook"))]
+    if wrong:
+        raise AssertionError(f"offloaded 4-bit layers not left as hooked meta Params4bit with a quant state: {wrong[:5]}")
+    return {"max_abs_diff": 0.0, "offloaded_4bit_layers": len(offloaded)}
 
 
 def _quant_state_keys(state_dict: Dict[str, Any]) -> List[str]:
@@ -342,6 +397,11 @@ SCENARIOS = [
     Scenario(PATCH_ID, "peft-lora-over-offloaded", f"{_HERE}:peft_lora_over_offloaded",
              "PeftModel.from_pretrained (LoRA) over a dispatched double-quant model with disk layers",
              expected_error="RuntimeError", in_selftest=False),
+    Scenario(EXTRA_ATTRIBUTES_PATCH_ID, "dispatch-as-loaded", f"{_HERE}:dispatch_as_loaded",
+             "dispatch_model with disk layers of a 4-bit model as from_pretrained returned it: "
+             "Params4bit.__new__ rejects the _is_hf_initialized attribute transformers 5.x sets "
+             "(bitsandbytes < 0.50)",
+             expected_error="TypeError"),
     Scenario(PATCH_ID, "cpu-offload-gpu-main", f"{_HERE}:cpu_offload_gpu_main",
              "GPU main device, 4-bit layers mapped to 'cpu' (needs CUDA)",
              expected_error="RuntimeError", in_selftest=False),

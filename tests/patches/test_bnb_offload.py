@@ -21,12 +21,17 @@ import pytest
 import metapatch
 from metapatch.diffs import apply_to_copy, diffs_for
 from metapatch.patches.accelerate_emptiness_probe import PATCH as PROBE_PATCH
+from metapatch.patches.bnb_params4bit_extra_attributes import PATCH as EXTRA_PATCH
 from metapatch.patches.bnb_quant_state_offload import PATCH as BNB_PATCH
 from metapatch.selftest import run_scenario, scenarios_for
 from metapatch.selftest._harness import Outcome, Scenario
 
 BNB_AFFECTED = metapatch.registry._gate(BNB_PATCH)[0]
 PROBE_AFFECTED = metapatch.registry._gate(PROBE_PATCH)[0]
+# transformers 5.x x bitsandbytes < 0.50: a model dispatched as loaded fails first with a TypeError
+# from Params4bit.__new__ (another patch, bnb-params4bit-extra-attributes; see its tests).
+EXTRA_AFFECTED = metapatch.registry._gate(EXTRA_PATCH)[0]
+AS_LOADED = ("dispatch-double-quant", "peft-lora-over-offloaded")  # dispatched without a deepcopy
 SCENARIOS = {s.name: s for s in scenarios_for(BNB_PATCH.id)}
 
 # mode -> how the child runs: (patched, METAPATCH_DISABLE, diff patch id or None)
@@ -69,6 +74,10 @@ class Runs:
 
     def _run(self, scenario: Scenario, mode: str) -> Tuple[Outcome, Path]:
         patched, disable, diff = MODES[mode]
+        if diff and EXTRA_AFFECTED:
+            # The diffs do not carry bitsandbytes 0.50's Params4bit(**kwargs) fix, which this stack
+            # lacks: keep only its backport on, so that each diff is judged on its own bug.
+            patched, disable = True, ",".join(pid for pid in metapatch.registry.patches if pid != EXTRA_PATCH.id)
         cwd = self.root / "cwd" / f"{scenario.name}-{mode}"
         cwd.mkdir(parents=True)
         env = {"METAPATCH_DISABLE": disable} if disable else None
@@ -83,6 +92,8 @@ class Runs:
             self.futures[(name, mode)] = self.pool.submit(self._run, SCENARIOS[name], mode)
         outcome, cwd = self.futures[(name, mode)].result()
         assert list(cwd.iterdir()) == [], f"{name}/{mode} wrote into the working directory: {list(cwd.iterdir())}"
+        if outcome.not_applicable:  # e.g. transformers 5.x with bitsandbytes 0.46.0 loads no 4-bit model
+            pytest.skip(f"{name} is n/a here: {outcome.not_applicable}")
         return outcome
 
     def close(self) -> None:
@@ -131,6 +142,8 @@ def _unpatched_error(name: str) -> str:
     """The upstream error expected where the installed versions are affected ('' = passes)."""
     if not BNB_AFFECTED:
         return ""
+    if EXTRA_AFFECTED and name in AS_LOADED:
+        return "TypeError"
     if name == "dispatch-double-quant":
         return "RuntimeError" if PROBE_AFFECTED else ""
     if name in ("disk-forward-double-quant", "peft-lora-over-offloaded"):
@@ -151,6 +164,8 @@ def _check_unpatched(outcome: Outcome, name: str) -> None:
             assert "Tensor.item() cannot be called on meta tensors" in outcome.error
         if expected == "NotImplementedError":
             assert "Cannot copy out of meta tensor" in outcome.error
+        if expected == "TypeError":
+            assert "_is_hf_initialized" in outcome.error
     else:
         assert outcome.passed, _explain(outcome)
     assert set(outcome.states.values()) == {"disabled"}
@@ -180,9 +195,13 @@ def test_patched(runs, name):
 def test_patched_forward_never_requantizes_and_covers_the_matrix(runs):
     for name, dq in (("disk-forward-double-quant", True), ("disk-forward-single-quant", False)):
         metrics = runs.get(name, "patched").metrics
+        # bitsandbytes 0.46.x quantizes only nf4 on the CPU: the scenario lists what it left out
+        unsupported = set(metrics.get("not_supported_by_bitsandbytes", ()))
+        assert all(key.startswith("fp4/") for key in unsupported), unsupported
         for quant_type in ("nf4", "fp4"):
             for compute in ("float32", "bfloat16"):
-                assert metrics[f"{quant_type}/dq={dq}/{compute}"] == 0.0
+                key = f"{quant_type}/dq={dq}/{compute}"
+                assert key in unsupported or metrics[key] == 0.0, metrics
     # the state_dict/save_pretrained round trip ran on all 4-bit linears of the tiny model
     assert runs.get("disk-forward-double-quant", "patched").metrics["quant_states_compared"] == 4 * 7
 

@@ -196,3 +196,76 @@ def test_import_metapatch_does_not_import_torch():
     code = "import sys, metapatch; print(sorted(m for m in ('torch', 'accelerate') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+# -- the pass-through path: no walk over the module tree until an offload hook exists -----------
+
+FLAG_PROBE = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+order = sys.argv[2]
+if order == "accelerate-first":
+    import accelerate.hooks
+import metapatch
+import torch
+import accelerate.hooks as hooks
+from metapatch.patches.offloaded_move_guard import _OffloadSeen
+
+walks = []
+original_modules = torch.nn.Module.modules
+def counting_modules(self):
+    walks.append(type(self).__name__)
+    return original_modules(self)
+torch.nn.Module.modules = counting_modules
+
+model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.Linear(4, 4)))
+result = {"state": {r["id"]: r["state"] for r in metapatch.status()}["offloaded-move-guard"],
+          "seen_at_start": _OffloadSeen.seen}
+model.to("cpu"); model.cpu(); model[1].to(torch.device("cpu"))
+result["walks_before_any_offload"] = len(walks)
+hooks.attach_align_device_hook(model[0], execution_device="cpu", offload=False)
+model.to("cpu")
+result["seen_after_non_offload_hook"] = _OffloadSeen.seen
+hooks.attach_align_device_hook(model[1], execution_device="cpu", offload=True)
+result["seen_after_offload_hook"] = _OffloadSeen.seen
+try:
+    model.to("cpu")
+    result["refused"] = None
+except Exception as exc:
+    result["refused"] = type(exc).__name__
+print(json.dumps(result))
+"""
+
+
+def _flag_probe(order):
+    import json
+    import subprocess
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])
+    proc = subprocess.run([sys.executable, "-c", FLAG_PROBE, root, order], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@needs_guard
+def test_pass_through_does_not_walk_until_an_offload_hook_is_attached():
+    result = _flag_probe("metapatch-first")
+    assert result["state"] == "applied"
+    assert result["seen_at_start"] is False
+    assert result["walks_before_any_offload"] == 0
+    assert result["seen_after_non_offload_hook"] is False  # a hook that does not offload moves nothing to meta
+    assert result["seen_after_offload_hook"] is True
+    assert result["refused"] == "OffloadedMoveError"
+
+
+@needs_guard
+def test_late_import_checks_every_move():
+    # accelerate imported before metapatch: hooks may have been attached unseen, so the guard
+    # walks from the start (as it did before the flag) and still refuses.
+    result = _flag_probe("accelerate-first")
+    assert result["state"] == "applied"
+    assert result["seen_at_start"] is True
+    assert result["walks_before_any_offload"] > 0
+    assert result["refused"] == "OffloadedMoveError"
