@@ -76,11 +76,13 @@ def _infer_auto_device_map(wrapped, instance, args, kwargs):
 PATCH = Patch(
     id=PATCH_ID,
     title="accelerate infer_auto_device_map keeps declared (regex-expanded) tied groups together, counted once",
-    affects={"accelerate": ">=1.0.0"},
+    # Measured (selftest tied-llama-budget-sweep, budget-sweep) on accelerate 1.10.1-1.15.0: the tied group is
+    # split wherever transformers builds its meta models untied (5.x); the window starts at 1.10.
+    affects={"accelerate": ">=1.10.0"},
     targets=(
         Target(
             "accelerate.utils.modeling", "infer_auto_device_map",
-            fingerprints=("f6bbd1fa22fcc611",),  # accelerate 1.13.0, 1.15.0
+            fingerprints=("f6bbd1fa22fcc611",),  # accelerate 1.10.1 - 1.15.0 (unchanged)
             wrapper=_infer_auto_device_map,
             aliases=("accelerate:infer_auto_device_map", "accelerate.utils:infer_auto_device_map",
                      "accelerate.big_modeling:infer_auto_device_map", "peft.peft_model:infer_auto_device_map"),

@@ -25,11 +25,16 @@ def _attach_align_device_hook_on_blocks(wrapped, instance, args, kwargs):
 PATCH = Patch(
     id=PATCH_ID,
     title="offloaded tied weights get their own values, not the first tied weight loaded (meta pointer 0)",
-    affects={"accelerate": ">=1.0.0,<1.15.0"},
+    # Measured (selftest two-tied-groups-on-disk): reproduces on 1.10.1, 1.11.0, 1.12.0, 1.13.0, 1.14.0;
+    # absent on 1.15.0. The window starts at 1.10.
+    affects={"accelerate": ">=1.10.0,<1.15.0"},
     targets=(
         Target(
             "accelerate.hooks", "attach_align_device_hook_on_blocks",
-            fingerprints=("a26f68e39cdf4503",),  # accelerate 1.13.0
+            fingerprints=(
+                "ba8352e5bc395909",  # accelerate 1.10.x (annotations only differ; same call)
+                "a26f68e39cdf4503",  # accelerate 1.11.0 - 1.15.0 (1.15 fixed the caller, dispatch_model)
+            ),
             wrapper=_attach_align_device_hook_on_blocks,
             aliases=("accelerate.big_modeling:attach_align_device_hook_on_blocks",),
         ),
@@ -38,8 +43,8 @@ PATCH = Patch(
         bug=("https://github.com/huggingface/accelerate/pull/4083",),
         forwarded="not-needed",
         fixed_in={"accelerate": "1.15.0"},
-        note="accelerate 1.15.0 skips meta tensors when building tied_params_map (first release checked with "
-             "the fix; 1.14 was not checked and reports stale if its code differs).",
+        note="accelerate 1.15.0 skips meta tensors when building tied_params_map in dispatch_model; measured "
+             "affected on 1.10.1-1.14.0, fixed on 1.15.0.",
     ),
     diffs=(),
     selftest="metapatch.selftest.tied_device_map",

@@ -17,8 +17,10 @@ The fix keeps upstream's own map where it is right (5.13+: every group on one de
 kept, tied tensors counted once); otherwise it runs upstream's allocator on the tie-free problem
 (each group counted once, at its source), then moves tied copies to their source's device within the
 budgets (metapatch._tied_groups). An explicit map that splits a group is repaired the same way, with a
-warning naming the pairs. On 5.11-5.12, whose ``from_pretrained`` never dispatches a map that is all
-disk, one small module with no tie crossing it is kept on cpu (within the cpu budget).
+warning naming the pairs. Where ``from_pretrained`` cannot use a map that is all disk (transformers
+5.0-5.12 never dispatch it; 5.13+ with accelerate < 1.15 get accelerate's "offload the whole model to
+the disk"), one small module with no tie crossing it is kept on cpu (within the cpu budget), for tied
+and untied models alike.
 """
 
 from __future__ import annotations
@@ -102,20 +104,32 @@ def _transformers_at_least(version: str) -> bool:
 
 
 def _single_disk_maps_are_dispatched() -> bool:
-    """transformers before 5.13 dispatches only maps naming more than one device, so a map that
-    offloads everything to disk leaves every weight on meta."""
-    return _transformers_at_least("5.13.0.dev0")
+    """Whether ``from_pretrained`` can use a map that offloads everything to disk. transformers 5.0-5.12
+    dispatch only maps naming more than one device, so such a map leaves every weight on meta
+    (``Tensor.item() cannot be called on meta tensors``); 5.13+ hand it to accelerate, which before
+    1.15 refuses it ("You are trying to offload the whole model to the disk"). Neither is about ties:
+    the work-around below applies to every model."""
+    return _transformers_at_least("5.13.0.dev0") and _accelerate_at_least("1.15.0.dev0")
+
+
+def _accelerate_at_least(version: str) -> bool:
+    import importlib.metadata
+
+    from packaging.version import Version
+
+    return Version(importlib.metadata.version("accelerate")) >= Version(version)
 
 
 def _keep_one_module_on_cpu(model: Any, device_map: Dict[str, Any], groups, max_memory) -> Dict[str, Any]:
     """Put the smallest module that holds no part of a tied group spanning it on cpu, within the cpu
-    budget, so that transformers < 5.13 dispatches the (otherwise all-disk) map."""
+    budget, so that the (otherwise all-disk) map names two devices and is dispatched with offload hooks
+    (see _single_disk_maps_are_dispatched). Untied models too: the map is all disk whenever the cpu
+    budget is smaller than the largest layer."""
     from .. import _tied_groups as tg
 
-    upstream = _integration()
-    sizes, _ = upstream.compute_module_sizes(model, only_modules=False)
+    sizes, get_max_memory = _module_sizes_and_budgets(model)
     tg.dedupe_tied_sizes(sizes, groups, _tensor_bytes(model, None))
-    cpu_budget = upstream.get_max_memory(dict(max_memory) if max_memory else None).get("cpu", 0)
+    cpu_budget = get_max_memory(dict(max_memory) if max_memory else None).get("cpu", 0)
     no_split = set(getattr(model, "_no_split_modules", None) or ())
     members = {m for g in groups for m in g}
     best = None
@@ -148,10 +162,17 @@ def _parents(name: str):
         yield ".".join(parts[:i])
 
 
-def _integration():
+def _module_sizes_and_budgets(model: Any):
+    """(sizes per module and tensor, get_max_memory) from transformers' own helpers (5.x), or from
+    accelerate's, which transformers 4.57 uses (see tied_device_map_transformers_v4)."""
     import transformers.integrations.accelerate as integration
 
-    return integration
+    if hasattr(integration, "compute_module_sizes"):
+        sizes, _ = integration.compute_module_sizes(model, only_modules=False)
+        return sizes, integration.get_max_memory
+    from accelerate.utils import compute_module_sizes, get_max_memory
+
+    return dict(compute_module_sizes(model)), get_max_memory
 
 
 def _get_device_map(wrapped, instance, args, kwargs):
@@ -164,9 +185,7 @@ def _get_device_map(wrapped, instance, args, kwargs):
         return device_map
     model = call["model"]
     groups = tg.tied_groups(model)
-    if not groups:
-        return device_map
-    if isinstance(requested, dict):
+    if groups and isinstance(requested, dict):
         placement = tg.Placement(model, device_map, groups, devices=tg.speed_order(device_map.values()))
         repaired = placement.repair()
         if placement.moves:
@@ -180,21 +199,32 @@ def _get_device_map(wrapped, instance, args, kwargs):
 PATCH = Patch(
     id=PATCH_ID,
     title="transformers device maps keep regex-tied weight groups together, counted once (no IndexError, no all-meta model)",
+    # Measured on 5.0.0, 5.3.0, 5.9.0, 5.11.0, 5.12.1, 5.13.1, 5.15.1, 5.17.0, 5.19.0, 5.21.1, 5.23.0, 5.24.0:
+    # an explicit map splitting a tied pair fails (KeyError 'lm_head.weight') on every one of them; all-disk
+    # maps fail on 5.0-5.12 (never dispatched) and on 5.13+ with accelerate < 1.15. 4.57 has the same bugs
+    # in other functions: tied-device-map-transformers-v4.
     affects={"transformers": ">=5.0.0.dev0"},
     targets=(
         Target(
             "transformers.integrations.accelerate", "infer_auto_device_map",
             fingerprints=(
-                "8529e05005ef1f07",  # 5.7.0, 5.11.0
-                "33c8ba8a0dd83ecb",  # 5.24.0
+                "a5e99b9519762019",  # 5.0.0
+                "8529e05005ef1f07",  # 5.1.0 - 5.12.1
+                "e804e81215535018",  # 5.13.0 - 5.15.1 (PR #46625: each tie counted once)
+                "410aabe65e7ad7f3",  # 5.16.0 - 5.17.0 (no_placement_params)
+                "add8de969f996cfa",  # 5.18.0 - 5.21.1
+                "33c8ba8a0dd83ecb",  # 5.22.0 - 5.24.0
             ),
             wrapper=_infer_auto_device_map,
         ),
         Target(
             "transformers.integrations.accelerate", "_get_device_map",
             fingerprints=(
-                "d40b215dfa0ac8a9",  # 5.7.0, 5.11.0
-                "6dc74bd79a7ab756",  # 5.24.0
+                "dbfa0998d15666fc",  # 5.0.0
+                "46a71bf0ab32ae95",  # 5.1.0 - 5.3.0
+                "d40b215dfa0ac8a9",  # 5.4.0 - 5.15.1
+                "ab58b0e9c44d01e1",  # 5.16.0 - 5.21.1
+                "6dc74bd79a7ab756",  # 5.22.0 - 5.24.0
             ),
             wrapper=_get_device_map,
             aliases=("transformers.modeling_utils:_get_device_map",),
@@ -203,9 +233,9 @@ PATCH = Patch(
     upstream=Upstream(
         bug=("https://github.com/huggingface/transformers/pull/46625",),
         forwarded="no",
-        note="PR #46625 (5.13.0) fixed the over-count for 2 GPUs; the IndexError at small budgets, the "
-             "zero-byte count of an already-tied stack and explicit maps that split a tied group remain "
-             "in 5.24.0.",
+        note="PR #46625 (5.13.0) fixed the over-count for 2 GPUs and dispatches all-disk maps (which accelerate "
+             "< 1.15 then refuses); the IndexError at small budgets, the zero-byte count of an already-tied "
+             "stack and explicit maps that split a tied group remain in 5.24.0.",
     ),
     diffs=("upstream_diffs/tied-device-map-transformers/transformers.diff",),
     selftest="metapatch.selftest.tied_device_map",
