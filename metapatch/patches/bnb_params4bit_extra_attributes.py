@@ -56,6 +56,7 @@ PATCH = Patch(
                    "740c418d4aa303b4",  # bitsandbytes 0.46.1
                    "86cb5b2372fafca5",  # bitsandbytes 0.47.0 and 0.48.2
                    "f139b1f1915a8dcd",  # bitsandbytes 0.49.2
+                   "7d7b65c98712ad6e",  # bitsandbytes 0.49.0, 0.49.1 (ROCm blocksize default; measured on 0.49.0)
                ),
                replacement=_accepting_extra_keywords),
     ),

@@ -167,6 +167,7 @@ PATCH = Patch(
                    "bd3439b9a864beb1",  # 0.49.2, 0.50.2
                    "fcccc67292f23257",  # 0.46.0, 0.46.1, 0.48.2
                    "fd03c2806f41e5b5",  # 0.47.0
+                   "525aaab53c718b80",  # 0.49.0, 0.49.1 (a None check 0.49.2 added; measured on 0.49.0)
                ),
                wrapper=linear4bit_save_to_state_dict),
     ),
