@@ -54,7 +54,9 @@ PATCH = Patch(
     affects={"transformers": ">=5.6,<5.23", "accelerate": ">=1.0"},
     targets=(
         Target("accelerate.big_modeling", "dispatch_model",
-               fingerprints=("0eeb48d0a8604931", "81f88a737d7c9ee3"),  # accelerate 1.13.0, 1.15.0
+               fingerprints=("398cfc87e4986362",  # accelerate 1.10.1, 1.11.0, 1.12.0
+                             "0eeb48d0a8604931",  # accelerate 1.13.0, 1.14.0
+                             "81f88a737d7c9ee3"),  # accelerate 1.15.0
                wrapper=_dispatch_model, aliases=("accelerate:dispatch_model",)),
     ),
     upstream=Upstream(

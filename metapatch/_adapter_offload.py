@@ -1,0 +1,338 @@
+"""An adapter's own tensors follow its base layer's accelerate offload hook.
+
+PEFT tuner layers (LoRA, DoRA, IA3, LoHa, LoKr, AdaLoRA, OFT, BOFT, VeRA, ...) wrap a base layer and
+keep their own tensors beside it, in ``ModuleDict``/``ParameterDict``/``BufferDict`` containers that
+they read directly (``self.ia3_l[adapter]``, ``self.lora_magnitude_vector[adapter]``), often without
+calling those containers' ``forward``. Several also read the base layer's weight directly (DoRA's
+weight norm, OFT/BOFT's rotated weight, merging) instead of calling the base layer. When the base
+layer is offloaded by accelerate (an ``AlignDevicesHook`` with ``offload=True``: its weights are on
+``meta`` between forwards), upstream PEFT moves the adapter onto ``meta`` too, and a re-dispatch
+hooks the adapter containers, whose ``forward`` never runs.
+
+The one mechanism here, whatever the tuner:
+
+* while a tuner layer is created over an offloaded base layer, the base layer is onloaded
+  (:func:`base_layer_onloaded`), so the tuner's initialisation reads real weights and its tensors
+  are placed on the hook's execution device, never on ``meta``;
+* an adapter's tensors live on the execution device of its base layer's hook
+  (:func:`move_adapter_to_execution_device`): they are small and trainable, so they are kept as the
+  same ``Parameter`` objects (an optimizer holding them keeps working) rather than offloaded;
+* :func:`follow_base_layer_hooks` takes any offload hook off the adapter containers (restoring
+  their values from its weights map), and hangs a :class:`HoldBaseLayerHook` on the tuner layer: the
+  base layer stays onloaded for the whole forward of the tuner layer, so every direct read of its
+  weight sees the real value. Anything still on ``meta`` afterwards is refused with a
+  :class:`~metapatch._records.MetapatchError` naming the layer.
+
+Imports of torch/accelerate/peft happen inside functions: ``import metapatch`` stays light.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, List, Optional
+
+from metapatch._records import MetapatchError
+
+
+def offload_hook(module: Any) -> Optional[Any]:
+    """The accelerate ``AlignDevicesHook`` that offloads ``module``'s own weights, if any (also found
+    inside a ``SequentialHook``)."""
+    from accelerate.hooks import AlignDevicesHook, SequentialHook
+
+    hook = getattr(module, "__dict__", {}).get("_hf_hook")
+    hooks = list(hook.hooks) if isinstance(hook, SequentialHook) else [hook]
+    for candidate in hooks:
+        if isinstance(candidate, AlignDevicesHook) and candidate.offload and candidate.weights_map is not None:
+            return candidate
+    return None
+
+
+def _held(hook: Any) -> bool:
+    return getattr(hook, "_metapatch_held", 0) > 0
+
+
+def _hold(base_layer: Any, hook: Any) -> None:
+    """Onload ``base_layer``'s weights and keep them until :func:`_release`: its hook's own
+    pre/post-forward then only move inputs and outputs (``offload`` is off while held). Nested holds
+    are counted."""
+    if not _held(hook):
+        hook.pre_forward(base_layer)
+        hook.offload = False
+    hook._metapatch_held = getattr(hook, "_metapatch_held", 0) + 1
+
+
+def _release(base_layer: Any, hook: Any) -> None:
+    import torch
+
+    hook._metapatch_held -= 1
+    if hook._metapatch_held == 0:
+        if torch.is_grad_enabled():
+            _keep_quant_states_for_backward(base_layer)
+        hook.offload = True
+        hook.post_forward(base_layer, torch.empty(0))
+
+
+def _keep_quant_states_for_backward(base_layer: Any) -> None:
+    """bitsandbytes' 4-bit matmul keeps the weight's ``QuantState`` object for its backward, and
+    offloading the weight moves that very object to meta in place (``Params4bit.to``): the backward
+    then dequantizes garbage (NaN gradients). The parameter about to be offloaded gets its own copy,
+    so the one autograd holds keeps its values."""
+    import copy
+
+    for module in base_layer.modules():
+        weight = getattr(module, "weight", None)
+        state = getattr(weight, "quant_state", None)
+        if state is not None and getattr(weight, "requires_grad", False) is False:
+            weight.quant_state = copy.deepcopy(state)
+
+
+@contextlib.contextmanager
+def base_layer_onloaded(module: Any) -> Iterator[None]:
+    """The base layer of ``module`` (a tuner layer or a plain layer) holds its real weights inside
+    the block, if it is offloaded; otherwise nothing happens."""
+    base_layer = base_layer_of(module)
+    hook = offload_hook(base_layer)
+    if hook is None:
+        yield
+        return
+    _hold(base_layer, hook)
+    try:
+        yield
+    finally:
+        _release(base_layer, hook)
+
+
+def base_layer_of(module: Any) -> Any:
+    get_base_layer = getattr(module, "get_base_layer", None)
+    return get_base_layer() if callable(get_base_layer) else module
+
+
+def execution_device(module: Any) -> Optional[Any]:
+    """Where an offloaded base layer runs, or None when it is not offloaded."""
+    import torch
+
+    hook = offload_hook(base_layer_of(module))
+    if hook is None:
+        return None
+    device = hook.execution_device
+    return torch.device(device if not isinstance(device, int) else f"cuda:{device}")
+
+
+def _is_on_meta(base_layer: Any) -> bool:
+    import torch
+
+    if isinstance(base_layer, torch.nn.MultiheadAttention):
+        base_layer = base_layer.out_proj
+    for name in ("weight", "qweight"):
+        weight = getattr(base_layer, name, None)
+        if isinstance(weight, torch.Tensor):
+            return weight.device.type == "meta"
+    return False
+
+
+def move_adapter_to_execution_device(layer: Any, adapter_name: str) -> bool:
+    """When ``layer``'s base layer is offloaded (its weight on meta, an offload hook holding the
+    value), place ``adapter_name``'s tensors on the hook's execution device, in the base weight's
+    floating dtype, instead of on meta. Returns False when the base layer is not offloaded (the
+    caller then does what upstream does)."""
+    import torch
+
+    base_layer = base_layer_of(layer)
+    device = execution_device(layer)
+    if device is None or not _is_on_meta(base_layer):
+        return False
+    reference = base_layer.out_proj if isinstance(base_layer, torch.nn.MultiheadAttention) else base_layer
+    weight = getattr(reference, "weight", None)
+    dtype = weight.dtype if isinstance(weight, torch.Tensor) and weight.dtype.is_floating_point else None
+    for container in _adapter_containers(layer):
+        if adapter_name not in container:
+            continue
+        item = container[adapter_name]
+        tensors = list(item.parameters()) + list(item.buffers()) if isinstance(item, torch.nn.Module) else [item]
+        if any(t.device.type == "meta" for t in tensors):
+            continue  # created empty (low_cpu_mem_usage): its values are assigned when loaded
+        item_dtype = getattr(item, "dtype", None)
+        cast = dtype is not None and (item_dtype is None or item_dtype.is_floating_point)
+        container[adapter_name] = item.to(device, dtype=dtype) if cast else item.to(device)
+    return True
+
+
+def _adapter_containers(layer: Any) -> List[Any]:
+    import torch
+
+    names = tuple(getattr(layer, "adapter_layer_names", ())) + tuple(getattr(layer, "other_param_names", ()))
+    found = []
+    for name in names:
+        container = getattr(layer, name, None)
+        if isinstance(container, torch.nn.Module) and hasattr(container, "__contains__"):
+            found.append(container)
+    return found
+
+
+def _adapter_modules(layer: Any) -> List[Any]:
+    """(name, module) of everything under a tuner layer except its base layer."""
+    base_layer = base_layer_of(layer)
+    base_ids = {id(m) for m in base_layer.modules()}
+    return [(name, module) for name, module in layer.named_modules() if id(module) not in base_ids]
+
+
+# -- after a dispatch: adapter containers unhooked, base layer held during the tuner's forward --
+
+
+class HoldBaseLayerHook:
+    """Hung on a tuner layer: its base layer keeps its real weights for the whole forward of the
+    tuner layer (base forward, adapter forward, and every direct read of ``base_layer.weight``)."""
+
+    no_grad = False  # read by accelerate's add_hook_to_module (the ModelHook interface, duck-typed)
+
+    def __init__(self, base_layer: Any) -> None:
+        self.base_layer = base_layer
+        self._holding = []
+
+    def init_hook(self, module: Any) -> Any:
+        return module
+
+    def pre_forward(self, module: Any, *args: Any, **kwargs: Any) -> Any:
+        hook = offload_hook(self.base_layer)
+        self._holding.append(hook)
+        if hook is not None:
+            _hold(self.base_layer, hook)
+        return args, kwargs
+
+    def post_forward(self, module: Any, output: Any) -> Any:
+        hook = self._holding.pop() if self._holding else None
+        if hook is not None:
+            _release(self.base_layer, hook)
+        return output
+
+    def detach_hook(self, module: Any) -> Any:
+        return module
+
+
+def _restore_from_hook(module: Any, device: Any) -> None:
+    """Take an offload hook off an adapter container, its tensors put back with their values."""
+    from accelerate.hooks import remove_hook_from_module
+    from accelerate.utils import set_module_tensor_to_device
+
+    hook = offload_hook(module)
+    if hook is not None:
+        for name, tensor in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
+            if tensor.device.type == "meta" and name in hook.weights_map:
+                set_module_tensor_to_device(module, name, device, value=hook.weights_map[name])
+    if "_hf_hook" in module.__dict__:
+        remove_hook_from_module(module)
+
+
+class KeepQuantStateHook:
+    """Put in front of the offload hook of a 4-bit layer: before the weight goes back to meta after
+    a forward with autograd on, the quant state autograd holds is left out of the move
+    (:func:`_keep_quant_states_for_backward`); gradients through offloaded 4-bit layers stay real."""
+
+    no_grad = False
+
+    def init_hook(self, module: Any) -> Any:
+        return module
+
+    def pre_forward(self, module: Any, *args: Any, **kwargs: Any) -> Any:
+        return args, kwargs
+
+    def post_forward(self, module: Any, output: Any) -> Any:
+        import torch
+
+        if torch.is_grad_enabled():
+            _keep_quant_states_for_backward(module)
+        return output
+
+    def detach_hook(self, module: Any) -> Any:
+        return module
+
+
+def keep_quant_states_of_offloaded_layers(model: Any) -> None:
+    from accelerate.hooks import SequentialHook
+
+    for module in model.modules():
+        if getattr(getattr(module, "weight", None), "quant_state", None) is None or offload_hook(module) is None:
+            continue
+        hook = module.__dict__["_hf_hook"]
+        hooks = list(hook.hooks) if isinstance(hook, SequentialHook) else [hook]
+        if not any(isinstance(h, KeepQuantStateHook) for h in hooks):
+            module._hf_hook = SequentialHook(KeepQuantStateHook(), *hooks)
+
+
+def _hold_hook_of(layer: Any) -> Optional[HoldBaseLayerHook]:
+    from accelerate.hooks import SequentialHook
+
+    hook = layer.__dict__.get("_hf_hook")
+    hooks = list(hook.hooks) if isinstance(hook, SequentialHook) else [hook]
+    return next((h for h in hooks if isinstance(h, HoldBaseLayerHook)), None)
+
+
+def _trainable_copies_in_memory(model: Any) -> int:
+    """``modules_to_save`` copies PEFT makes of an offloaded module (``copy.deepcopy``, hook included)
+    are the adapter's own trainable weights: they get their values back from the copied hook's
+    weights map, lose the hook (an optimizer must keep the same parameters) and stay in memory on the
+    execution device. The original module stays offloaded."""
+    import torch
+
+    try:
+        from peft.utils.other import ModulesToSaveWrapper
+    except ImportError:  # pragma: no cover - every supported peft has it
+        return 0
+    adjusted = 0
+    for wrapper_name, wrapper in model.named_modules():
+        if not isinstance(wrapper, ModulesToSaveWrapper):
+            continue
+        for adapter, copy in getattr(wrapper, "modules_to_save", {}).items():
+            for name, module in copy.named_modules():
+                hook = offload_hook(module)
+                if hook is not None:
+                    device = hook.execution_device
+                    _restore_from_hook(module, torch.device(device if not isinstance(device, int) else f"cuda:{device}"))
+                    adjusted += 1
+            missing = [n for n, t in list(copy.named_parameters()) + list(copy.named_buffers()) if t.device.type == "meta"]
+            if missing:
+                raise MetapatchError(
+                    f"metapatch: modules_to_save copy {wrapper_name}.modules_to_save.{adapter} of an offloaded module has "
+                    f"{missing[:4]} on the meta device and nothing holds their values. Keep that module in memory "
+                    f"(device_map) or load the adapter onto the model before offloading it.")
+    return adjusted
+
+
+def follow_base_layer_hooks(model: Any) -> int:
+    """For every tuner layer of ``model`` over an offloaded base layer: adapter tensors real and on
+    the execution device, no hook on the adapter containers, the base layer held during the tuner's
+    forward. Returns how many tuner layers were adjusted; raises when an adapter tensor has no value."""
+    import torch
+    from accelerate.hooks import add_hook_to_module
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    keep_quant_states_of_offloaded_layers(model)
+    adjusted = _trainable_copies_in_memory(model)
+    for layer_name, layer in model.named_modules():
+        if not isinstance(layer, BaseTunerLayer):
+            continue
+        device = execution_device(layer)
+        for _, module in _adapter_modules(layer):
+            if "_hf_hook" in module.__dict__ and module is not layer:
+                _restore_from_hook(module, device if device is not None else torch.device("cpu"))
+        if device is None:
+            continue
+        missing = []
+        with torch.no_grad():
+            for name, module in _adapter_modules(layer):
+                for tensor_name, tensor in list(module.named_parameters(recurse=False)) + \
+                        list(module.named_buffers(recurse=False)):
+                    full = f"{name}.{tensor_name}" if name else tensor_name
+                    if tensor.device.type == "meta":
+                        missing.append(full)
+                    elif tensor.device != device:
+                        tensor.data = tensor.data.to(device)
+        if missing:
+            raise MetapatchError(
+                f"metapatch: the adapter tensors {missing[:4]} of {layer_name or type(layer).__name__} (its base layer "
+                f"is offloaded by accelerate) are on the meta device and nothing holds their values. Load the adapter "
+                f"onto the base model before offloading it, or keep this layer in memory (device_map).")
+        if _hold_hook_of(layer) is None:
+            add_hook_to_module(layer, HoldBaseLayerHook(base_layer_of(layer)), append="_hf_hook" in layer.__dict__)
+        adjusted += 1
+    return adjusted

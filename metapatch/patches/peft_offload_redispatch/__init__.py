@@ -1,0 +1,101 @@
+"""peft-offload-redispatch: PEFT adapters over a base model offloaded to cpu/disk by accelerate give
+the results of the in-memory model, keep the base's placement and its checkpoint files untouched.
+
+Upstream PEFT (0.17.0-0.21.2 measured, unfixed on main):
+
+* ``PeftModel.load_adapter`` re-dispatches the wrapped model whenever the base's ``hf_device_map``
+  holds ``cpu`` or ``disk``: it infers a brand-new map (everything fits in memory on a CPU-only
+  machine, so ``dispatch_model`` calls ``model.to`` on meta weights), has ``_update_offload`` rewrite
+  the base's safetensors file to ``os.path.join(*fname.split(os.sep))`` (an absolute path made
+  relative to the working directory: run from ``/`` it overwrites the user's checkpoint, elsewhere it
+  copies it), and dispatches without ``skip_keys`` (Gemma 4's shared KV is then written into copies);
+* every tuner moves a new adapter onto its base layer's device, which for an offloaded layer is
+  ``meta``: ``get_peft_model`` then runs with LoRA weights on meta (silently wrong logits), DoRA's
+  initialisation reads the meta base weight (``Cannot copy out of meta tensor``), and a re-dispatch
+  hooks adapter containers whose ``forward`` never runs (IA3's ``ia3_l``: a meta vector at the first
+  forward).
+
+Here:
+
+* an adapter's tensors follow its base layer's offload hook (:mod:`metapatch._adapter_offload`,
+  the one mechanism for every tuner): created next to an onloaded base layer, placed on the hook's
+  execution device, never hooked themselves, and the base layer onloaded for the whole forward of
+  the tuner layer (tuners that read ``base_layer.weight`` directly see its value);
+* upstream's re-dispatch is skipped (``hf_device_map`` is hidden from ``from_pretrained`` and
+  ``load_adapter`` for the call, so the base keeps its hooks while the adapter is added), and
+  metapatch re-dispatches instead: the current placement re-keyed for the wrapper, the offloaded base
+  weights read from where accelerate already reads them (nothing is copied or re-saved), ``skip_keys``
+  from the model; a map that names only ``disk`` is dispatched with hooks on every accelerate;
+* an explicit ``device_map`` (the wrapper's module names, or the base's), ``"auto"``-style
+  strategies, ``max_memory`` and ``offload_dir``/``offload_folder`` are honoured as PEFT documents
+  them: tensors newly sent to disk are written to ``offload_dir`` only (without one they stay in CPU
+  memory, with a warning);
+* ``merge_and_unload`` (and merge/unmerge/unload) work: ``onload_layer`` no longer reads every
+  offloaded tensor to look up a file name it never uses (a KeyError with this weights map).
+"""
+
+from __future__ import annotations
+
+from metapatch._records import Patch, Target, Upstream
+
+from . import _wrappers
+from ._onload import onload_layer_replacement
+from ._placement import _user_map, new_placement  # noqa: F401  (tests and the benchmark use them)
+from ._redispatch import redispatch  # noqa: F401
+from ._sources import OffloadedTensors, capture_sources  # noqa: F401
+
+PATCH_ID = "peft-offload-redispatch"
+
+# Fingerprints measured per release (peft 0.17.1, 0.18.1, 0.19.1, 0.20.0, 0.21.2); the reproducers
+# pass patched on each (docs: the per-version table in the patch's report).
+PATCH = Patch(
+    id=PATCH_ID,
+    title="PEFT adapters over a cpu/disk-offloaded base: results of the in-memory model for every tuner, the "
+          "base placement and checkpoint files kept (no write outside the offload folder), the model's skip_keys",
+    # _update_offload (the checkpoint rewrite) and the re-inferred map are both in 0.11.0 onwards;
+    # measured from 0.17.1 to 0.21.2; not fixed on peft main (checked 2026-11-30).
+    affects={"peft": ">=0.11.0"},
+    targets=(
+        Target("peft.peft_model", "PeftModel.from_pretrained",
+               fingerprints=("6890b79923fbd98e",  # 0.17.1
+                             "cca3faebe5bde4c0",  # 0.18.1
+                             "c31a288f71d46306",  # 0.19.1
+                             "cd5d661cecd68538",  # 0.20.0
+                             "fa080cb27757e067"),  # 0.21.2
+               wrapper=_wrappers.from_pretrained),
+        Target("peft.mixed_model", "PeftMixedModel.from_pretrained",
+               fingerprints=("e197b2200a6d4026",  # 0.17.1
+                             "7e08004893d2f7bd"),  # 0.18.1-0.21.2
+               wrapper=_wrappers.from_pretrained),
+        Target("peft.peft_model", "PeftModel.load_adapter",
+               fingerprints=("d878239f47e8c4bc",  # 0.17.1, 0.18.1
+                             "d0b733dc079f68d3",  # 0.19.1
+                             "90278732e20e40b5",  # 0.20.0
+                             "4c289775b0a6ae1b"),  # 0.21.2
+               wrapper=_wrappers.load_adapter),
+        Target("peft.tuners.tuners_utils", "BaseTuner.inject_adapter",
+               fingerprints=("7aa9350c7b14620b",  # 0.17.1
+                             "943651b6895724fe",  # 0.18.1
+                             "c128c3d2058942ac",  # 0.19.1, 0.20.0
+                             "afced1c19440d2bf"),  # 0.21.2
+               wrapper=_wrappers.inject_adapter),
+        Target("peft.tuners.tuners_utils", "BaseTunerLayer._move_adapter_to_device_of_base_layer",
+               fingerprints=("5055e406d9f1a3db",  # 0.17.1, 0.18.1
+                             "38f6dfca25c0f168",  # 0.19.1, 0.20.0
+                             "5ae3d49c5476a73f"),  # 0.21.2
+               wrapper=_wrappers.move_adapter),
+        Target("peft.tuners.tuners_utils", "onload_layer",
+               fingerprints=("613a4d10649c3021",  # 0.17.1-0.19.1
+                             "607acfd87f017a8a"),  # 0.20.0, 0.21.2
+               replacement=onload_layer_replacement),
+    ),
+    upstream=Upstream(
+        bug=("https://github.com/huggingface/peft/issues?q=load_adapter+offload+hf_device_map",
+             "https://discuss.huggingface.co/t/cpu-offloading-error-scenario/175522"),
+        forwarded="no",
+        note="peft: load_adapter keeps the base placement and passes skip_keys; _update_offload writes nothing "
+             "outside the offload folder; adapters of offloaded layers follow the base layer's hook",
+    ),
+    diffs=("upstream_diffs/peft-offload-redispatch/peft.diff",),
+    selftest="metapatch.selftest.peft_offload",
+)

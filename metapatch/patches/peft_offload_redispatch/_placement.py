@@ -1,0 +1,101 @@
+"""The device map of a re-dispatch: the base's current placement re-keyed for the PEFT wrapper, a
+user's explicit map, or one inferred from ``max_memory`` as PEFT documents it."""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+from metapatch._records import MetapatchError
+
+OFFLOADED_DEVICES = {"cpu", "disk"}
+
+def base_model_of(model: Any) -> Any:
+    """The transformers model inside a PEFT wrapper (``PeftMixedModel`` has no ``get_base_model``:
+    its attribute lookup forwards to the base model, which has none either)."""
+    get_base_model = getattr(type(model), "get_base_model", None)
+    return get_base_model(model) if callable(get_base_model) else model.base_model.model
+
+
+def is_offloaded(base: Any) -> bool:
+    device_map = getattr(base, "__dict__", {}).get("hf_device_map")
+    return isinstance(device_map, dict) and bool(OFFLOADED_DEVICES & set(map(str, device_map.values())))
+
+
+def _prefixed(base_map: Dict[str, Any], prefix: str) -> Dict[str, Any]:
+    return {(f"{prefix}.{k}" if k else prefix): v for k, v in base_map.items()}
+
+
+def _base_prefix(model: Any, base: Any) -> str:
+    for name, module in model.named_modules():
+        if module is base:
+            return name
+    raise MetapatchError("metapatch (peft-offload-redispatch): the PEFT model does not contain its base model")
+
+
+def _user_map(model: Any, base: Any, prefix: str, device_map: Dict[str, Any]) -> Dict[str, Any]:
+    """A user's map in the wrapper's names: the base's own names (what the seed passed) are re-keyed."""
+    wrapper_names = set(dict(model.named_modules()))
+    named = [k for k in device_map if k]
+    if named and all(k in wrapper_names for k in named):
+        return dict(device_map)
+    base_names = set(dict(base.named_modules()))
+    if all(k in base_names for k in named):
+        return _prefixed(device_map, prefix)
+    unknown = [k for k in named if k not in wrapper_names and k not in base_names]
+    raise MetapatchError(
+        f"metapatch (peft-offload-redispatch): device_map names modules found neither in the PEFT model nor in "
+        f"its base model: {unknown[:5]}. Use the base model's names (as for from_pretrained) or the PEFT "
+        f"model's ('{prefix}.…').")
+
+
+def _inferred_map(model: Any, strategy: str, max_memory: Any) -> Dict[str, Any]:
+    from accelerate import infer_auto_device_map
+    from accelerate.utils import get_balanced_memory
+
+    no_split = getattr(model, "_no_split_modules", None)
+    no_split = sorted(no_split) if isinstance(no_split, (set, frozenset)) else no_split
+    if strategy != "sequential":
+        max_memory = get_balanced_memory(model, max_memory=max_memory, no_split_module_classes=no_split,
+                                         low_zero=(strategy == "balanced_low_0"))
+    return infer_auto_device_map(model, max_memory=max_memory, no_split_module_classes=no_split)
+
+
+def _placement_of(name: str, device_map: Dict[str, Any]) -> Any:
+    best = None
+    for key in device_map:
+        if key == "" or name == key or name.startswith(key + "."):
+            if best is None or len(key) > len(best):
+                best = key
+    return None if best is None else device_map[best]
+
+
+def _cover_the_rest(model: Any, device_map: Dict[str, Any], main: Any) -> Dict[str, Any]:
+    """Modules outside the base (prompt encoders, shared banks) go to the main device, as upstream's
+    freshly inferred map would put them."""
+    # accelerate checks coverage against state_dict's names, which list a shared module under every
+    # path (VeRA's vera_A/vera_B buffers: in each layer and on the tuner model itself).
+    for name in model.state_dict(keep_vars=True):
+        if _placement_of(name, device_map) is None:
+            device_map[name.rpartition(".")[0]] = main
+    return device_map
+
+
+def _main_device(device_map: Dict[str, Any]) -> Any:
+    values = set(map(str, device_map.values()))
+    if values <= {"cpu", "disk"}:
+        return "cpu"
+    return next(v for v in device_map.values() if str(v) not in OFFLOADED_DEVICES)
+
+
+def new_placement(model: Any, base: Any, options: Dict[str, Any]) -> Dict[str, Any]:
+    prefix = _base_prefix(model, base)
+    device_map, max_memory = options.get("device_map"), options.get("max_memory")
+    if device_map is None and max_memory is None:
+        current = model.__dict__.get("hf_device_map")  # an earlier re-dispatch of this wrapper
+        chosen = dict(current) if isinstance(current, dict) else _prefixed(base.hf_device_map, prefix)
+    elif isinstance(device_map, dict):
+        chosen = _user_map(model, base, prefix, device_map)
+    else:
+        chosen = _inferred_map(model, device_map or "auto", max_memory)
+    return _cover_the_rest(model, chosen, _main_device(chosen))
+

@@ -1,0 +1,122 @@
+"""metapatch's re-dispatch of a PEFT model over an offloaded base: the offloaded base weights read
+from where accelerate already reads them, adapters following their base layer's hook, nothing
+written outside ``offload_dir``."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Tuple
+
+from metapatch._records import MetapatchError
+
+from ..accelerate_dispatch_skip_keys import model_skip_keys
+from metapatch._adapter_offload import follow_base_layer_hooks
+
+from ._placement import base_model_of, _main_device, _placement_of, new_placement
+from ._sources import OffloadedTensors, _sources_by_name, _value
+
+
+def _write_new_disk_tensors(tensors: Dict[str, Any], offload_dir: str, weights: OffloadedTensors) -> None:
+    from accelerate.utils import OffloadedWeightsLoader, offload_state_dict
+
+    offload_state_dict(offload_dir, {k: v.detach().cpu() for k, v in tensors.items()})
+    loader = OffloadedWeightsLoader(save_folder=offload_dir)
+    for name in tensors:
+        weights.entries[name] = (loader, name)
+
+
+def _adapter_tensor_names(model: Any) -> set:
+    """Names of the tuner layers' own tensors (``lora_A.<adapter>.weight``, ...): small, kept with
+    their layer's weights map in memory rather than written to an offload file of their own."""
+    import torch
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    names = set()
+    for module_name, module in model.named_modules():
+        if isinstance(module, BaseTunerLayer):
+            for attr in tuple(module.adapter_layer_names) + tuple(module.other_param_names):
+                part = getattr(module, attr, None)
+                if isinstance(part, torch.nn.Module):
+                    names.update(f"{module_name}.{attr}.{n}" for n, _ in part.named_parameters())
+                    names.update(f"{module_name}.{attr}.{n}" for n, _ in part.named_buffers())
+    return names
+
+
+def _place_tensors(model: Any, device_map: Dict[str, Any], sources: Dict[str, Any], offloaded_devices: set,
+                   offload_dir: Optional[str]) -> OffloadedTensors:
+    """Decide where every tensor's value comes from under the new map: offloaded ones are served by
+    the returned mapping (their old source, or their current value), in-memory ones are read back
+    from their offload source when they are on meta. Only tensors newly sent to disk with an
+    ``offload_dir`` are written, there."""
+    from accelerate.utils import named_module_tensors, set_module_tensor_to_device
+
+    weights, new_disk, kept_in_memory = OffloadedTensors(), {}, []
+    adapters = _adapter_tensor_names(model)
+    for name, tensor in named_module_tensors(model, include_buffers=True, recurse=True):
+        where = _placement_of(name, device_map)
+        if tensor.device.type == "meta" and name not in sources:
+            raise MetapatchError(f"metapatch (peft-offload-redispatch): {name} is on meta and no offload hook knows "
+                                 "where its value is; refusing to dispatch a model with missing values")
+        if str(where) not in offloaded_devices:
+            if tensor.device.type == "meta":
+                set_module_tensor_to_device(model, name, where, value=_value(sources[name]))
+        elif name in sources:
+            weights.entries[name] = sources[name]
+        elif str(where) == "disk" and offload_dir is not None:
+            new_disk[name] = tensor
+        else:
+            weights.add_tensor(name, tensor.detach())
+            if str(where) == "disk" and name not in adapters:
+                kept_in_memory.append(name)
+    if new_disk:
+        _write_new_disk_tensors(new_disk, offload_dir, weights)
+    if kept_in_memory:
+        import logging
+
+        logging.getLogger("metapatch").warning(
+            "metapatch: %d tensors newly placed on disk (%s, …) stay in CPU memory: pass offload_dir "
+            "to PeftModel.from_pretrained/load_adapter to write them there", len(kept_in_memory), kept_in_memory[0])
+    return weights
+
+
+def redispatch(model: Any, captured: Dict[int, Tuple[Any, Dict[str, Any]]], options: Dict[str, Any]) -> None:
+    import torch
+    from accelerate import dispatch_model
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module, remove_hook_from_submodules
+
+    base = base_model_of(model)
+    sources = _sources_by_name(model, captured)
+    _remove_hooks(model)
+    device_map = new_placement(model, base, options)
+    main = _main_device(device_map)
+    offloaded_devices = {"disk"} if str(main) in ("cpu", "mps") else {"cpu", "disk"}  # as dispatch_model decides
+    weights = _place_tensors(model, device_map, sources, offloaded_devices, options.get("offload_dir"))
+    has_disk = "disk" in set(map(str, device_map.values()))
+    # An (empty) offload_index tells dispatch_model the weights are offloaded already: it saves none.
+    # A map that names disk only (a small max_memory) is dispatched with hooks, as accelerate 1.15
+    # does; accelerate 1.10-1.14 would otherwise call model.to("disk") and refuse ("offload the whole
+    # model to the disk"), advice a PEFT user cannot follow.
+    single_disk = set(map(str, device_map.values())) == {"disk"}
+    dispatch_model(model, device_map=device_map, main_device=main, state_dict=weights,
+                   offload_index={} if has_disk else None, skip_keys=model_skip_keys(model),
+                   force_hooks=single_disk,
+                   offload_buffers=bool(options.get("offload_buffers", False)))
+    if any(getattr(c, "is_prompt_learning", False) for c in getattr(model, "peft_config", {}).values()) \
+            and isinstance(getattr(model, "prompt_encoder", None), torch.nn.Module):
+        remove_hook_from_submodules(model.prompt_encoder)  # as upstream: the prompt encoder runs unhooked
+    # As upstream: outputs come back on the inputs' device.
+    add_hook_to_module(base, AlignDevicesHook(io_same_device=True), append="_hf_hook" in base.__dict__)
+    # The adapter containers of offloaded layers were hooked like any module with parameters; their
+    # forward may never run (IA3 reads ``ia3_l[adapter]``): they follow their base layer instead.
+    follow_base_layer_hooks(model)
+
+
+def _remove_hooks(model: Any) -> None:
+    """accelerate's remove_hook_from_submodules asks ``hasattr(module, "_hf_hook")``, which PEFT's
+    wrappers answer by forwarding to the base model, and then fails to delete it from the wrapper:
+    only modules that hold a hook themselves are unhooked."""
+    from accelerate.hooks import remove_hook_from_module
+
+    for module in list(model.modules()):
+        if "_hf_hook" in module.__dict__:
+            remove_hook_from_module(module)
+

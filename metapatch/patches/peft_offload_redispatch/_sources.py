@@ -1,0 +1,105 @@
+"""Where the offloaded tensors of a model are read from, captured from accelerate's hooks before
+anyone removes them, and a state dict that reads through those same sources (nothing is copied)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Dict, Iterator, Optional, Tuple
+
+# -- where offloaded tensors live ------------------------------------------------------------------
+
+
+class OffloadedTensors(Mapping):
+    """A state dict whose values are read on access: an in-memory tensor, or a key of an earlier
+    accelerate weights map (which reads the same safetensors/.dat file it always read). Handed to
+    ``dispatch_model`` as ``state_dict``, so the hooks read through it and no file is written."""
+
+    def __init__(self) -> None:
+        self.entries: Dict[str, Tuple[Any, Optional[str]]] = {}  # name -> (tensor, None) | (mapping, key)
+
+    def add_tensor(self, name: str, tensor: Any) -> None:
+        self.entries[name] = (tensor, None)
+
+    def __getitem__(self, name: str) -> Any:
+        holder, key = self.entries[name]
+        return holder if key is None else holder[key]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+def _source(weights_map: Any, key: str) -> Optional[Tuple[Any, Optional[str]]]:
+    """Unwrap accelerate's PrefixedDataset/OffloadedWeightsLoader down to what really holds ``key``,
+    without loading it (Mapping's ``in`` would read the file)."""
+    from accelerate.utils import OffloadedWeightsLoader, PrefixedDataset
+
+    for _ in range(32):
+        if isinstance(weights_map, PrefixedDataset):
+            weights_map, key = weights_map.dataset, weights_map.prefix + key
+        elif isinstance(weights_map, OffloadedWeightsLoader):
+            if key in weights_map.state_dict:
+                inner = weights_map.state_dict
+                if isinstance(inner, OffloadedTensors):
+                    return inner.entries[key]
+                return inner[key], None
+            if key in weights_map.index:
+                return weights_map, key
+            return None
+        elif isinstance(weights_map, OffloadedTensors):
+            return weights_map.entries.get(key)
+        elif isinstance(weights_map, Mapping):
+            return (weights_map[key], None) if key in weights_map else None
+        else:
+            return None
+    return None
+
+
+def _hooks(module: Any) -> list:
+    from accelerate.hooks import SequentialHook
+
+    hook = module.__dict__.get("_hf_hook")
+    if hook is None:
+        return []
+    return list(hook.hooks) if isinstance(hook, SequentialHook) else [hook]
+
+
+def capture_sources(root: Any) -> Dict[int, Tuple[Any, Dict[str, Any]]]:
+    """Where every tensor offloaded by an accelerate hook under ``root`` is read from, keyed by the
+    module object (names change when PEFT wraps a layer; the module does not)."""
+    from accelerate.hooks import AlignDevicesHook
+
+    found: Dict[int, Tuple[Any, Dict[str, Any]]] = {}
+    for module in root.modules():
+        for hook in _hooks(module):
+            if not (isinstance(hook, AlignDevicesHook) and hook.offload and hook.weights_map is not None):
+                continue
+            tensors = {}
+            for name in getattr(hook, "original_devices", {}) or {}:
+                source = _source(hook.weights_map, name)
+                if source is not None:
+                    tensors[name] = source
+            if tensors:
+                found.setdefault(id(module), (module, {}))[1].update(tensors)
+    return found
+
+
+def _sources_by_name(model: Any, captured: Dict[int, Tuple[Any, Dict[str, Any]]]) -> Dict[str, Any]:
+    named = {}
+    for module_name, module in model.named_modules():
+        entry = captured.get(id(module))
+        if entry is not None:
+            for tensor_name, source in entry[1].items():
+                named[f"{module_name}.{tensor_name}" if module_name else tensor_name] = source
+    return named
+
+
+def _value(source: Tuple[Any, Optional[str]]) -> Any:
+    holder, key = source
+    return holder if key is None else holder[key]
+

@@ -1,0 +1,128 @@
+"""The wrappers around PEFT's entry points (see the package docstring for what each one changes)."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Any, Dict, Iterator
+
+from metapatch import _adapter_offload
+
+from ._placement import base_model_of, is_offloaded
+from ._redispatch import redispatch
+from ._sources import capture_sources
+
+_PEFT_DISPATCH_KWARGS = ("device_map", "max_memory", "offload_dir", "offload_folder", "offload_index")
+
+# Set (an _Adding) while an adapter is being added to an offloaded base.
+_ADDING = contextvars.ContextVar("metapatch_peft_offload_adding", default=None)
+
+
+@contextlib.contextmanager
+def _hidden_device_map(*holders: Any) -> Iterator[None]:
+    """Upstream decides from ``hf_device_map`` to remove the base's hooks and to re-dispatch:
+    without it, the hooks stay (the adapters are created next to them) and placement is left to us."""
+    saved = [(h, h.__dict__.pop("hf_device_map")) for h in holders if "hf_device_map" in h.__dict__]
+    try:
+        yield
+    finally:
+        for holder, value in saved:
+            holder.__dict__["hf_device_map"] = value
+
+
+def _options(kwargs: dict) -> Dict[str, Any]:
+    options = {k: kwargs.pop(k) for k in _PEFT_DISPATCH_KWARGS if k in kwargs}
+    options.pop("offload_index", None)  # upstream's own re-keyed copy of the index: not used
+    folder, directory = options.pop("offload_folder", None), options.get("offload_dir")
+    if folder is not None and directory is not None:
+        raise ValueError("Cannot use `offload_folder` when `offload_dir` is specified.")  # upstream's message
+    if directory is None and folder is not None:
+        options["offload_dir"] = folder
+    if "offload_buffers" in kwargs:
+        options["offload_buffers"] = kwargs["offload_buffers"]
+    return options
+
+
+class _Adding:
+    """What is known while an adapter is added to an offloaded base: where its offloaded tensors
+    are read from (captured from accelerate's hooks before anything changes them), and the PEFT
+    dispatch options ``load_adapter`` was given, for the re-dispatch that follows."""
+
+    def __init__(self, captured: Dict[int, Any]) -> None:
+        self.captured = captured
+        self.options: Dict[str, Any] = {}
+
+
+def from_pretrained(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``PeftModel.from_pretrained`` / ``PeftMixedModel.from_pretrained``: the base keeps its hooks
+    while the adapter is created and loaded (upstream would remove them first); metapatch
+    re-dispatches once the model is complete."""
+    model = args[0] if args else kwargs.get("model")
+    if model is None or not is_offloaded(model) or _ADDING.get() is not None:
+        return wrapped(*args, **kwargs)
+    adding = _Adding(capture_sources(model))
+    token = _ADDING.set(adding)
+    try:
+        with _hidden_device_map(model):
+            result = wrapped(*args, **kwargs)
+    finally:
+        _ADDING.reset(token)
+    redispatch(result, adding.captured, adding.options)
+    return result
+
+
+def load_adapter(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    if instance is None:  # called through the class: PeftMixedModel.load_adapter does PeftModel.load_adapter(self, ...)
+        return load_adapter(lambda *a, **k: wrapped(args[0], *a, **k), args[0], args[1:], kwargs)
+    adding = _ADDING.get()
+    if adding is not None:  # inside from_pretrained, which re-dispatches when the model is complete
+        adding.options.update(_options(kwargs))
+        return wrapped(*args, **kwargs)
+    base = base_model_of(instance)
+    if not is_offloaded(base):
+        return wrapped(*args, **kwargs)
+    adding = _Adding(capture_sources(instance))
+    options = _options(kwargs)
+    token = _ADDING.set(adding)
+    try:
+        with _hidden_device_map(base, instance):
+            result = wrapped(*args, **kwargs)
+    finally:
+        _ADDING.reset(token)
+    redispatch(instance, adding.captured, options)
+    return result
+
+
+def inject_adapter(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``BaseTuner.inject_adapter`` (every tuner, every entry point that creates an adapter): each
+    target's base layer is onloaded while its tuner layer is created (initialisations that read the
+    base weight, DoRA's norm for one, see real values; the adapter is placed on the execution
+    device), then every tuner layer over an offloaded base follows its hook."""
+    tuner_create = instance._create_and_replace
+
+    def create_and_replace(*c_args: Any, **c_kwargs: Any) -> Any:
+        target = c_kwargs.get("target", c_args[2] if len(c_args) > 2 else None)
+        if target is None:
+            return tuner_create(*c_args, **c_kwargs)
+        with _adapter_offload.base_layer_onloaded(target):
+            return tuner_create(*c_args, **c_kwargs)
+
+    instance.__dict__["_create_and_replace"] = create_and_replace
+    try:
+        result = wrapped(*args, **kwargs)
+    finally:
+        instance.__dict__.pop("_create_and_replace", None)
+    _adapter_offload.follow_base_layer_hooks(instance.model)
+    return result
+
+
+def move_adapter(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``BaseTunerLayer._move_adapter_to_device_of_base_layer``: over an offloaded base layer the
+    adapter goes to the hook's execution device, not onto the base weight's meta device (where its
+    values would be lost, and where loading it would be a no-op)."""
+    device = args[1] if len(args) > 1 else kwargs.get("device")
+    adapter_name = args[0] if args else kwargs.get("adapter_name")
+    if device is None and adapter_name is not None \
+            and _adapter_offload.move_adapter_to_execution_device(instance, adapter_name):
+        return None
+    return wrapped(*args, **kwargs)

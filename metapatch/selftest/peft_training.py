@@ -1,0 +1,164 @@
+"""Reproducers for ``peft-offload-redispatch``: one LoRA training step over an offloaded base.
+
+A tiny Llama with layers 2-3 offloaded to disk (fp32 through ``from_pretrained`` with a device map
+and ``offload_folder``; 4-bit nf4 double quant quantized on the CPU and then dispatched to disk) gets
+a non-zero LoRA adapter from ``get_peft_model`` (same seed as the in-memory run), one forward with
+labels, ``backward`` and one SGD step. Compared with the same step on the in-memory model:
+
+* the trainable parameters are the adapter's only, with the same names;
+* gradients and updated adapter values are equal (``torch.equal``: the same kernels run on the same
+  values, so no tolerance is needed on the CPU);
+* the base is unchanged: after ``unload()`` the offloaded model's logits equal the untouched base's,
+  and the checkpoint and the offload folder keep their file hashes; nothing is written outside the
+  offload folder.
+
+Upstream, the adapters of the offloaded layers are on ``meta``: ``backward`` gives them meta
+gradients (or the forward fails), so the step is not the in-memory step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, Tuple
+
+from ._harness import Scenario
+
+REDISPATCH = "peft-offload-redispatch"
+_MODULE = "metapatch.selftest.peft_training"
+
+
+def _lora() -> Any:
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"],
+                      lora_dropout=0.0, init_lora_weights=False)
+
+
+def train_step(model: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """One step of SGD on a fixed batch: (gradients, parameters after the step) of the trainable
+    parameters, by name."""
+    import torch
+    from peft import get_peft_model
+
+    from ._models import input_ids
+
+    torch.manual_seed(7)
+    peft_model = get_peft_model(model, _lora())
+    peft_model.train()
+    trainable = {n: p for n, p in peft_model.named_parameters() if p.requires_grad}
+    optimizer = torch.optim.SGD(list(trainable.values()), lr=0.5)
+    ids = input_ids()
+    loss = peft_model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    grads = {n: (p.grad.detach().clone() if p.grad is not None else None) for n, p in trainable.items()}
+    optimizer.step()
+    after = {n: p.detach().clone() for n, p in trainable.items()}
+    return {"grads": grads, "after": after, "loss": float(loss)}, {"model": peft_model}
+
+
+def _compare_steps(got: Dict[str, Any], want: Dict[str, Any]) -> Dict[str, Any]:
+    import torch
+
+    from ._models import max_abs_diff
+
+    if set(got["grads"]) != set(want["grads"]):
+        raise AssertionError(f"trainable parameters differ: {sorted(set(got['grads']) ^ set(want['grads']))[:6]}")
+    if any("lora_" not in name for name in got["grads"]):
+        raise AssertionError(f"base parameters are trainable: {[n for n in got['grads'] if 'lora_' not in n][:4]}")
+    worst = 0.0
+    for name, grad in want["grads"].items():
+        other = got["grads"][name]
+        if other is None or grad is None or other.device.type == "meta":
+            raise AssertionError(f"{name}: gradient {other if other is None else other.device} on the offloaded "
+                                 "base, expected a real one")
+        if not torch.equal(other, grad):
+            raise AssertionError(f"{name}: gradient differs (max abs diff {max_abs_diff(other, grad)})")
+        if not torch.equal(got["after"][name], want["after"][name]):
+            raise AssertionError(f"{name}: updated value differs")
+        worst = max(worst, max_abs_diff(other, grad))
+    if got["loss"] != want["loss"]:
+        raise AssertionError(f"loss differs: {got['loss']} vs {want['loss']}")
+    return {"max_abs_diff": worst, "trainable": len(got["grads"]), "loss": got["loss"]}
+
+
+def _base_unchanged(peft_model: Any, reference_logits: Any) -> None:
+    import torch
+
+    from ._models import input_ids
+
+    base = peft_model.unload()
+    base.eval()
+    with torch.no_grad():
+        logits = base(input_ids=input_ids()).logits
+    if not torch.equal(logits, reference_logits):
+        raise AssertionError("after the step and unload(), the offloaded base gives other logits than the untouched "
+                             "base: base weights were changed")
+
+
+def _logits(model: Any) -> Any:
+    import torch
+
+    from ._models import input_ids
+
+    with torch.no_grad():
+        return model.eval()(input_ids=input_ids()).logits
+
+
+def _hashes_of(folder: Path) -> Dict[str, str]:
+    from .peft_offload import _hashes
+
+    return _hashes(folder) if folder.exists() else {}
+
+
+def _run(workdir: Path, load_in_memory: Any, load_offloaded: Any, checkpoint: Path) -> Dict[str, Any]:
+    from .peft_offload import _SideEffects
+
+    want, _ = train_step(load_in_memory())
+    untouched = _logits(load_in_memory())
+    offloaded = load_offloaded()
+    offload_before = _hashes_of(workdir / "offload")
+    watch = _SideEffects(workdir, checkpoint, ("offload",))
+    got, handles = train_step(offloaded)
+    metrics = _compare_steps(got, want)
+    _base_unchanged(handles["model"], untouched)
+    problems = watch.problems()
+    if _hashes_of(workdir / "offload") != offload_before:
+        problems.append("offload folder files changed")
+    if problems:
+        raise AssertionError("the training step wrote: " + "; ".join(problems))
+    return metrics
+
+
+def fp32_step(workdir: Path) -> Dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    from ._models import save_tiny_llama
+    from .peft_tuners import offload_map
+
+    checkpoint = save_tiny_llama(workdir / "base")
+    return _run(workdir, lambda: AutoModelForCausalLM.from_pretrained(checkpoint),
+                lambda: AutoModelForCausalLM.from_pretrained(checkpoint, device_map=offload_map(),
+                                                             offload_folder=str(workdir / "offload")),
+                checkpoint)
+
+
+def nf4_double_quant_step(workdir: Path) -> Dict[str, Any]:
+    from .bnb_offload import base_checkpoint, dispatch, load_quantized, quant_config
+
+    checkpoint = base_checkpoint(workdir)
+    config = quant_config("nf4", True)
+    return _run(workdir, lambda: load_quantized(checkpoint, config),
+                lambda: dispatch(load_quantized(checkpoint, config), workdir), checkpoint)
+
+
+SCENARIOS = [
+    Scenario(REDISPATCH, "train-step-fp32", f"{_MODULE}:fp32_step",
+             "one LoRA SGD step over a Llama with layers 2-3 on disk: gradients and updates equal to the "
+             "in-memory step, base weights, checkpoint and offload files unchanged; upstream the adapters of the disk "
+             "layers are on meta (MmBackward0 returned an invalid gradient ... expected device meta)",
+             expected_error="RuntimeError"),
+    Scenario(REDISPATCH, "train-step-nf4", f"{_MODULE}:nf4_double_quant_step",
+             "one LoRA SGD step over a 4-bit nf4 double-quant Llama with layers 2-3 dispatched to disk (upstream the "
+             "dispatch already fails: Tensor.item() on meta, bnb-quant-state-offload; with that patch alone the "
+             "gradients through the offloaded 4-bit layers are NaN)", expected_error="RuntimeError"),
+]
