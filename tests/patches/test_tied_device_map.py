@@ -112,8 +112,10 @@ def unpatched_error(key: str) -> str:
         # < 1.15, another tied tensor of the wrong shape): both RuntimeError.
         if _version("transformers") < _version_of("5.13.0.dev0"):
             return "KeyError"
-        # 5.24.0 (accelerate 1.15.0): the scenario passes unpatched although the direct read is still there
-        return "RuntimeError" if _version("transformers") < _version_of("5.24.0.dev0") else ""
+        # 5.24.0 (accelerate 1.15.0): the direct read is still there, but what it reads is memory the
+        # placeholder never initialised: seen both passing and failing (NaN probabilities) unpatched
+        # on the same install. "?" = the upstream error, or a lucky pass.
+        return "RuntimeError" if _version("transformers") < _version_of("5.24.0.dev0") else "RuntimeError?"
     if key == "tied-device-map-transformers/tied-llama-budget-sweep":
         return ""  # a regression guard: transformers' own maps of a tied Llama were right (measured 5.0, 5.11)
     if key == "tied-device-map-accelerate/tied-llama-budget-sweep":
@@ -224,7 +226,9 @@ def test_unpatched(runs, key):
     if _check_not_applicable(outcome, key):
         return
     expected = unpatched_error(key)
-    if expected:
+    if expected.endswith("?"):
+        assert outcome.passed or outcome.error_type == expected[:-1], _explain(outcome)
+    elif expected:
         assert not outcome.passed, f"{key} passed without metapatch on an affected version"
         assert outcome.error_type == expected, _explain(outcome)
         if key.endswith("auto-map-small-budget"):
