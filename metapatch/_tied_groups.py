@@ -346,6 +346,18 @@ class Placement:
                            f"{[self.groups[i][:2] for i in self.violations()[:5]]}")
 
 
+def index_tied_members(index: MutableMapping[str, Any], model: Any) -> MutableMapping[str, Any]:
+    """Give every member of a tied group the offload-index entry of any member that has one: the
+    checkpoint stores a tied group once, so only that name is indexed, while each tied copy's
+    offload hook looks up its own name."""
+    for group in tied_groups(model):
+        entry = next((index[m] for m in group if m in index), None)
+        if entry is not None:
+            for member in group:
+                index.setdefault(member, entry)
+    return index
+
+
 def split_pairs_message(moves: Sequence[Tuple[str, str, Any, Any]], limit: int = 5) -> str:
     shown = [f"{member!r} (on {before}) is tied to {anchor!r}; both now on {after}"
              for member, anchor, before, after in moves[:limit]]

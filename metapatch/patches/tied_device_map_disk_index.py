@@ -23,12 +23,7 @@ def _accelerate_disk_offload(wrapped, instance, args, kwargs):
     model = kwargs.get("model", args[0] if args else None)
     if not index or model is None:
         return index
-    for group in tg.tied_groups(model):
-        entry = next((index[m] for m in group if m in index), None)
-        if entry is not None:
-            for member in group:
-                index.setdefault(member, entry)
-    return index
+    return tg.index_tied_members(index, model)
 
 
 PATCH = Patch(

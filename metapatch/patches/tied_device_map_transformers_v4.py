@@ -36,11 +36,8 @@ def _load_pretrained_model(wrapped, instance, args, kwargs):
     index = result[4] if isinstance(result, tuple) and len(result) == 6 else None
     if isinstance(index, dict) and index:
         model: Any = call_arguments(wrapped, args, kwargs).get("model")
-        for group in tg.tied_groups(model) if model is not None else ():
-            entry = next((index[m] for m in group if m in index), None)
-            if entry is not None:
-                for member in group:
-                    index.setdefault(member, entry)
+        if model is not None:
+            tg.index_tied_members(index, model)
     return result
 
 

@@ -9,7 +9,6 @@ reproduced on classes every supported transformers has (a tiny Llama, untied and
 
 from __future__ import annotations
 
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Sequence, Tuple
