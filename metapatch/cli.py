@@ -12,7 +12,7 @@ COMMANDS = ("status", "selftest", "doctor", "diffs", "pr", "pins", "fingerprint"
 
 EPILOG = """environment:
   METAPATCH_DISABLE=id1,id2|all   do not install these patches (ids as in `metapatch status`)
-  METAPATCH_STRICT=1              a stale or failed patch raises instead of warning; `status` exits 1
+  METAPATCH_STRICT=1              a stale, conflict or failed patch raises instead of warning; `status` exits 1
   METAPATCH_DIFFS_ROOT=DIR        read upstream diffs from DIR (`diffs`, `pr`) instead of the source tree
   METAPATCH_AUTOLOAD=0            the start-up hooks of `run` and `enable` import nothing in this process
 """
