@@ -31,7 +31,7 @@ MATRIX = {NAMES.get(pair, "t{}-a{}".format(*pair)): {"transformers": pair[0], "a
           for pair in TESTED["PAIRS"]}
 TORCH = f"torch=={TESTED['COMMON']['torch']}"  # pinned everywhere: an open range pulls a multi-GB CUDA build
 COMMON = [f"{dist}=={version}" for dist, version in TESTED["COMMON"].items() if dist != "torch"]
-TEST_TOOLS = ["safetensors", "pytest>=8", "pytest-xdist", "hypothesis>=6", "parameterized", "gguf"]
+TEST_TOOLS = ["safetensors", "pytest>=8", "pytest-xdist", "hypothesis>=6", "parameterized", "gguf==0.19.0"]
 
 
 def _interpreter(version: str) -> str:
