@@ -31,7 +31,11 @@ MATRIX = {NAMES.get(pair, "t{}-a{}".format(*pair)): {"transformers": pair[0], "a
           for pair in TESTED["PAIRS"]}
 TORCH = f"torch=={TESTED['COMMON']['torch']}"  # pinned everywhere: an open range pulls a multi-GB CUDA build
 COMMON = [f"{dist}=={version}" for dist, version in TESTED["COMMON"].items() if dist != "torch"]
-TEST_TOOLS = ["safetensors", "pytest>=8", "pytest-xdist", "hypothesis>=6", "parameterized", "gguf==0.19.0"]
+# ruff: tests/test_pr_checks.py runs `metapatch pr`'s lint step for real (pinned, like every tool here).
+TEST_TOOLS = ["safetensors", "pytest>=8", "pytest-xdist", "hypothesis>=6", "parameterized", "gguf==0.19.0",
+              "ruff==0.13.1"]
+# Tests of metapatch's own tooling that do not depend on the stack: run in one environment only.
+STACK_INDEPENDENT = ["tests/test_pr_checks.py"]
 
 
 def _interpreter(version: str) -> str:
@@ -60,8 +64,9 @@ def tests(session, env):
     session.run("metapatch", "status", "--import-targets")
     # Two workers for two cores; a file's tests stay on one worker, so a test that watches the
     # working directory never sees another test's files.
+    once = [] if env == "latest" else [arg for path in STACK_INDEPENDENT for arg in ("--deselect", path)]
     session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadfile",
-                *session.posargs)
+                *once, *session.posargs)
 
 
 # The selftest runs one scenario at a time; two lanes (each its own `metapatch selftest`) keep both

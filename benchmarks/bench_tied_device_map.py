@@ -1,16 +1,19 @@
 """Map inference for DiffusionGemma 26B-A4B on meta (and the stack scaled from 30 to 120 layers):
 metapatch's tie-aware ``infer_auto_device_map`` against transformers' own, on the same model.
 
-    python benchmarks/bench_tied_device_map.py [--layers 30 60 90 120] [--repeat 3]
+    python benchmarks/bench_tied_device_map.py [--layers 30 60 90 120] [--rounds 7]
 
 Prints one row per size: tensors, tied groups, upstream seconds (or the error it raised), patched
-seconds, ratio, and patched microseconds per tensor (flat when the cost grows linearly). Both run the
-same allocator; the difference is metapatch's group resolution, size de-duplication and placement.
+seconds, and the median of the per-round ratios (upstream and patched alternate within each round,
+so machine load hits both alike), and patched microseconds per tensor (flat when the cost grows
+linearly). Both run the same allocator; the difference is metapatch's group resolution, size
+de-duplication and placement.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 GiB = 1 << 30
@@ -20,19 +23,31 @@ BUDGETS = {
 }
 
 
-def best_of(repeat: int, func) -> float:
-    times = []
-    for _ in range(repeat):
-        started = time.perf_counter()
-        func()
-        times.append(time.perf_counter() - started)
-    return min(times)
+def timed(func) -> float:
+    started = time.perf_counter()
+    func()
+    return time.perf_counter() - started
+
+
+def interleaved(rounds: int, base, patched):
+    """(median base s, median patched s, median of per-round patched/base ratios); base None when
+    upstream has no unpatched function; the exception class name when upstream raises."""
+    base_times, patched_times, ratios = [], [], []
+    for _ in range(rounds):
+        if base is not None:
+            base_times.append(timed(base))
+        patched_times.append(timed(patched))
+        if base is not None:
+            ratios.append(patched_times[-1] / base_times[-1])
+    median = statistics.median
+    return (median(base_times) if base_times else None), median(patched_times), \
+        (median(ratios) if ratios else None)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[30, 60, 90, 120])
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
 
     import logging
@@ -57,13 +72,14 @@ def main() -> None:
         groups = len(tg.tied_groups(model))
         for label, budget in BUDGETS.items():
             kwargs = dict(no_split_module_classes=model._no_split_modules)
-            patched = best_of(args.repeat, lambda: infer_auto_device_map(model, max_memory=dict(budget), **kwargs))
+            run_patched = lambda: infer_auto_device_map(model, max_memory=dict(budget), **kwargs)  # noqa: E731
+            run_base = (lambda: upstream(model, max_memory=dict(budget), **kwargs)) if upstream else None  # noqa: E731
             try:
-                base = best_of(args.repeat, lambda: upstream(model, max_memory=dict(budget), **kwargs)) \
-                    if upstream is not None else None
+                base, patched, ratio = interleaved(args.rounds, run_base, run_patched)
                 base_text = f"{base:12.3f}" if base is not None else f"{'-':>12}"
-                ratio = f"{patched / base:6.2f}" if base else f"{'-':>6}"
+                ratio = f"{ratio:6.2f}" if ratio is not None else f"{'-':>6}"
             except Exception as exc:
+                patched = interleaved(args.rounds, None, run_patched)[1]
                 base_text, ratio = f"{type(exc).__name__:>12}", f"{'-':>6}"
             print(f"{layers:>6} {label:>12} {tensors:>8} {groups:>7} {base_text} {patched:10.3f} {ratio} "
                   f"{patched / tensors * 1e6:9.1f}", flush=True)

@@ -18,7 +18,9 @@ Import-cheap: nothing from torch or the Hugging Face stack at module level.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import OrderedDict, defaultdict
+from functools import cached_property
 from typing import Any, Callable, Dict, Iterable, List, Mapping, MutableMapping, Optional, Sequence, Tuple
 
 Group = Tuple[str, ...]
@@ -74,6 +76,20 @@ class _UnionFind:
             self.parent[rb] = ra
 
 
+def all_parameters(model: Any) -> Iterable[Tuple[str, Any]]:
+    """``model.named_parameters(remove_duplicate=False)``: same names, same order (pre-order, a
+    module's own parameters before its children's). An explicit stack instead of torch's nested
+    generators, whose cost grows with depth for every tensor; map inference walks them all."""
+    stack = [("", model)]
+    while stack:
+        prefix, module = stack.pop()
+        for name, param in module._parameters.items():
+            if param is not None:
+                yield prefix + name, param
+        children = [(prefix + name + ".", child) for name, child in module._modules.items() if child is not None]
+        stack.extend(reversed(children))
+
+
 def tied_groups(model: Any, extra: Iterable[Sequence[str]] = (),
                 parameters: Optional[Dict[str, Any]] = None) -> List[Group]:
     """Groups of parameter names that share one tensor (or will, once ``tie_weights`` runs).
@@ -84,7 +100,7 @@ def tied_groups(model: Any, extra: Iterable[Sequence[str]] = (),
     order: Dict[str, int] = {}
     first_by_identity: Dict[int, str] = {}
     uf = _UnionFind()
-    for index, (name, param) in enumerate(model.named_parameters(remove_duplicate=False)):
+    for index, (name, param) in enumerate(all_parameters(model)):
         order[name] = index
         if parameters is not None:
             parameters[name] = param
@@ -125,10 +141,14 @@ def tied_groups(model: Any, extra: Iterable[Sequence[str]] = (),
 
 
 def _prefixes(name: str) -> Iterable[str]:
+    """"", then every dotted prefix of ``name``, then ``name`` (slicing, not re-joining: this runs
+    once per tensor and depth level in map inference, on models with thousands of tensors)."""
     yield ""
-    parts = name.split(".")
-    for i in range(1, len(parts) + 1):
-        yield ".".join(parts[:i])
+    cut = name.find(".")
+    while cut >= 0:
+        yield name[:cut]
+        cut = name.find(".", cut + 1)
+    yield name
 
 
 def dedupe_tied_sizes(sizes: MutableMapping[str, int], groups: Sequence[Group],
@@ -153,12 +173,14 @@ def dedupe_tied_sizes(sizes: MutableMapping[str, int], groups: Sequence[Group],
 
 def entry_of(device_map: Mapping[str, Any], name: str) -> Optional[str]:
     """The device-map key that places ``name`` (longest dotted prefix, as accelerate reads maps)."""
-    parts = name.split(".")
-    for i in range(len(parts), 0, -1):
-        key = ".".join(parts[:i])
+    key = name
+    while True:
         if key in device_map:
             return key
-    return "" if "" in device_map else None
+        cut = key.rfind(".")
+        if cut < 0:
+            return "" if "" in device_map else None
+        key = key[:cut]
 
 
 class Placement:
@@ -183,22 +205,35 @@ class Placement:
                 ordered.append(device)
         self.rank = {device: i for i, device in enumerate(ordered)}
         self.no_split = set(no_split or ())
-        self.modules: Dict[str, Any] = dict(model.named_modules())
         self.used: Dict[Any, int] = defaultdict(int)
         for key, device in self.map.items():
             self.used[device] += self.sizes.get(key, 0)
-        self.group_of: Dict[str, int] = {}
-        self.members_under: Dict[str, List[str]] = defaultdict(list)
-        for index, group in enumerate(self.groups):
-            for member in group:
-                self.group_of[member] = index
-                for prefix in _prefixes(member):
-                    self.members_under[prefix].append(member)
-        self.params_under: Dict[str, int] = defaultdict(int)
-        for name, _ in model.named_parameters(remove_duplicate=False):
-            for prefix in _prefixes(name):
-                self.params_under[prefix] += 1
         self.moves: List[Tuple[str, str, Any, Any]] = []  # (member, anchor, from, to) for messages
+
+    # The indexes below are built on first use: most maps need no repair (or only a few moves), and
+    # building them walks every module and parameter of the model, which would double the cost of
+    # map inference on large models (benchmarks/bench_tied_device_map.py).
+
+    @cached_property
+    def group_of(self) -> Dict[str, int]:
+        return {member: index for index, group in enumerate(self.groups) for member in group}
+
+    @cached_property
+    def _sorted_members(self) -> List[str]:
+        return sorted(member for group in self.groups for member in group)
+
+    def members_under(self, key: str) -> List[str]:
+        """Tied members at or below ``key``: a range of the sorted names ("/" sorts right after ".")."""
+        names = self._sorted_members
+        if not key:
+            return list(names)
+        inside = names[bisect_left(names, key + "."):bisect_left(names, key + "/")]
+        return inside + [key] if key in self.group_of else inside
+
+    def params_under(self, key: str) -> int:
+        if self._is_tensor(key):
+            return 1
+        return sum(1 for _ in all_parameters(self._module(key)))
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -221,16 +256,17 @@ class Placement:
         return budget is not None and self.used[device] + extra <= budget
 
     def _is_tensor(self, key: str) -> bool:
-        if key == "":
+        if key == "" or self._module(key) is not None:
             return False
-        if key in self.modules:
-            return False
-        module_name, _, leaf = key.rpartition(".")
-        module = self.modules.get(module_name)
+        module = self._module(key.rpartition(".")[0])
+        leaf = key.rpartition(".")[2]
         return module is None or leaf in module._parameters or leaf in module._buffers
 
     def _module(self, key: str) -> Any:
-        return self.modules[key]
+        try:
+            return self.model.get_submodule(key)
+        except AttributeError:
+            return None
 
     # -- changing ----------------------------------------------------------------------------
 
@@ -273,7 +309,7 @@ class Placement:
         """``key`` may move to ``home`` without dragging any group anywhere it does not belong: every
         tied member inside it either has its whole group inside too, or is a non-anchor whose
         anchor already lives on ``home``."""
-        inside = set(self.members_under.get(key, ()))
+        inside = set(self.members_under(key))
         for index in {self.group_of[m] for m in inside}:
             group = self.groups[index]
             if all(m in inside for m in group):
@@ -285,7 +321,7 @@ class Placement:
 
     def _only_tied(self, key: str) -> bool:
         """Every parameter under ``key`` is a tied member: moving it moves nothing else (but buffers)."""
-        return self.params_under.get(key, 0) == len(self.members_under.get(key, ()))
+        return self.params_under(key) == len(self.members_under(key))
 
     def _follow(self, member: str, home: Any) -> bool:
         """Move ``member`` (a non-anchor) to ``home``, refining its map entry as far as needed: whole

@@ -171,7 +171,8 @@ def default_diff(repo: Path) -> str:
 
 
 def run_pr(capsys, repo: Path, *extra: str):
-    code = cli_main(["pr", PATCH_ID, "--repo", str(repo), *extra])
+    # The git mechanics only: upstream tests, regression tests and linters are tests/test_pr_checks.py's.
+    code = cli_main(["pr", PATCH_ID, "--repo", str(repo), "--skip-tests", "--skip-lint", *extra])
     captured = capsys.readouterr()
     return code, captured.out, captured.err
 
@@ -229,7 +230,8 @@ def test_pr_commits_the_diff_on_a_new_branch_and_writes_the_body(clone, setup_pa
     namespace = {}
     exec(compile(code_block, "reproducer", "exec"), namespace)  # self-contained: it runs as printed
     assert namespace["reproduce_fake"](None) == {"max_abs_diff": 0.0}
-    assert "- `reproduce_fake`: shows it. Without the fix it raises `AssertionError`." in reproducer
+    # The body names the scenario it shows (issue 15: it once named another one).
+    assert "`reproduce_fake` from `mp_fake_selftest`: shows it. Without the fix it raises `AssertionError`." in reproducer
     assert "- `slow_variant`: a slow one. Without the fix it raises `ValueError`." in reproducer
     assert "not ours" not in reproducer
     assert f"{TEST_FILE}::test_canonicalize_name_regression" in body.split("## Test")[1]

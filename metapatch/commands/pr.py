@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import os
 import re
 import shlex
@@ -15,12 +16,20 @@ from typing import Any, List, Optional, Sequence
 
 HELP = "turn a patch's upstream diff into a commit on a new branch of an upstream clone, with a PR body"
 
-DESCRIPTION = """In a local clone of the upstream repository (a clean work tree): create a branch
-from BASE, apply the patch's upstream diff three-way (git apply --3way), commit it with the diff's
-DEP-3 Description as the message, write the pull-request body (problem, minimal reproducer, fix,
-test) to a file in the clone's git directory, and print the `gh pr create` command to open it.
-Nothing is done when the tree is dirty, the clone is not the diff's project, or the diff does not
-apply to BASE."""
+DESCRIPTION = """In a local clone of the upstream repository (a clean work tree): apply the patch's
+upstream diff three-way on BASE in a throw-away worktree and commit it with the diff's DEP-3
+Description; then, in worktrees of BASE (with only the diff's test files) and of that commit:
+  - upstream's own tests of the touched files (tests/test_<module>.py and the diff's test files),
+    with the clone's source first on PYTHONPATH and metapatch off;
+  - the diff's regression tests: each must fail on BASE and pass with the diff;
+  - upstream's linters with upstream's configuration (ruff check, ruff format --check) on the
+    changed files: nothing new may appear.
+It refuses, listing the failures, when a test that passed on BASE fails with the diff, a regression
+test does not fail on BASE or does not pass with it, or the diff adds lint findings. Only then
+does it create the branch at the commit, check it out, write the pull-request body (problem,
+standalone reproducer, fix, tests with their results) into the clone's git directory, and print
+the `gh pr create` command. Nothing is done when the tree is dirty, the clone is not the diff's
+project, or the diff does not apply to BASE. --skip-tests / --skip-lint skip the expensive parts."""
 
 
 class Refused(Exception):
@@ -35,29 +44,48 @@ class Prepared:
     body_file: Path
     title: str
     command: str
+    report: Any = None  # pr_checks.CheckReport, when checks ran
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = DESCRIPTION
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("patch_id", metavar="PATCH_ID")
     parser.add_argument("--repo", required=True, type=Path, help="local clone of the upstream repository")
     parser.add_argument("--base", help="branch to start from (default: main if the clone has it, else the current branch)")
     parser.add_argument("--branch", help="name of the new branch (default: metapatch/PATCH_ID)")
     parser.add_argument("--package", help="which of the patch's diffs, when it has several (default: the one for this clone)")
     parser.add_argument("--body-file", type=Path, help="where to write the PR body (default: inside the clone's git directory)")
+    parser.add_argument("--skip-tests", action="store_true",
+                        help="do not run upstream's tests nor the regression tests (CI without the upstream stack)")
+    parser.add_argument("--skip-lint", action="store_true", help="do not run upstream's linters")
+    parser.add_argument("--python", help="interpreter with upstream's test dependencies (default: this one)")
+    parser.add_argument("--pytest-arg", action="append", default=[], metavar="ARG",
+                        help="extra pytest argument, repeatable (e.g. --pytest-arg=-Wignore::FutureWarning)")
+    parser.add_argument("--ruff", help="ruff executable (default: ruff on PATH, else `python -m ruff`)")
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds per pytest run (default 1800)")
 
 
 def run(args: argparse.Namespace) -> int:
     import sys
 
     import metapatch
+    from metapatch.commands.pr_checks import CheckOptions
 
+    checks = CheckOptions(tests=not args.skip_tests, lint=not args.skip_lint, python=args.python or "",
+                          pytest_args=tuple(args.pytest_arg), ruff=args.ruff, timeout=args.timeout)
     try:
         prepared = prepare(metapatch.registry, args.patch_id, args.repo, base=args.base, branch=args.branch,
-                           package=args.package, body_file=args.body_file)
+                           package=args.package, body_file=args.body_file, checks=checks,
+                           progress=lambda line: print(line, file=sys.stderr, flush=True))
     except Refused as exc:
         print(f"metapatch pr: refused: {exc}", file=sys.stderr)
         return 1
+    if prepared.report is not None:
+        print(prepared.report.format())
+    skipped = [name for name, flag in (("upstream and regression tests", args.skip_tests), ("linters", args.skip_lint)) if flag]
+    if skipped:
+        print(f"not checked (skipped on request): {', '.join(skipped)}")
     print(f"created branch {prepared.branch} from {prepared.base} (now checked out) with commit {prepared.commit[:12]}: {prepared.title}")
     print(f"PR body written to {prepared.body_file}")
     print("open the pull request with:")
@@ -222,7 +250,13 @@ def _apply_in_scratch_index(repo: Path, base: str, diff_file: Path) -> None:
 
 
 def prepare(registry: Any, patch_id: str, repo: Path, *, base: Optional[str] = None, branch: Optional[str] = None,
-            package: Optional[str] = None, body_file: Optional[Path] = None) -> Prepared:
+            package: Optional[str] = None, body_file: Optional[Path] = None,
+            checks: Optional[Any] = None, progress: Any = None) -> Prepared:
+    """Validate, build the commit in a throw-away worktree, run the checks there (``checks``: a
+    ``pr_checks.CheckOptions``; None runs none), and only when they pass create ``branch`` at that
+    commit, check it out and write the PR body. A refusal leaves the clone as it was."""
+    from metapatch.commands import pr_checks
+
     if patch_id not in registry.patches:
         raise Refused(f"unknown patch id {patch_id!r}; known: {', '.join(registry.patches) or 'none'}")
     patch = registry.patches[patch_id]
@@ -240,25 +274,46 @@ def prepare(registry: Any, patch_id: str, repo: Path, *, base: Optional[str] = N
         raise Refused(f"{diff.path} has no DEP-3 Description to use as the commit message")
     _apply_in_scratch_index(repo, base, diff.path)
 
-    previous = _git(repo, "rev-parse", "--abbrev-ref", "HEAD").stdout.strip()
-    _git(repo, "switch", "--quiet", "--create", branch, base)
-    try:
-        _git(repo, "apply", "--3way", "--index", str(diff.path))
-        _git(repo, "commit", "--quiet", "--no-verify", "--file", "-", input=commit_message(diff))
-    except Refused:
-        # Leave the clone as it was found: tree was clean, so a hard reset only drops our change.
-        _git(repo, "reset", "--quiet", "--hard", check=False)
-        _git(repo, "switch", "--quiet", previous if previous != "HEAD" else base, check=False)
-        _git(repo, "branch", "--quiet", "-D", branch, check=False)
-        raise
-    commit = _git(repo, "rev-parse", "HEAD").stdout.strip()
+    report = None
+    with tempfile.TemporaryDirectory(prefix="metapatch-pr-") as tmp:
+        scratch = Path(tmp)
+        with _worktree(repo, base, scratch / "with") as with_tree:
+            _git(with_tree, "apply", "--3way", "--index", str(diff.path))
+            _git(with_tree, "commit", "--quiet", "--no-verify", "--file", "-", input=commit_message(diff))
+            commit = _git(with_tree, "rev-parse", "HEAD").stdout.strip()
+            test_ids = pr_checks.test_ids(with_tree, diff)
+            if checks is not None and (checks.tests or checks.lint):
+                if progress:
+                    progress(f"checking {diff.path.name} on {base} and with the diff (upstream tests, linters)...")
+                with _worktree(repo, base, scratch / "base") as base_tree:
+                    tests_only = [s.path for s in diff.other_sections()]
+
+                    def add_tests_to_base() -> None:
+                        _git(base_tree, "apply", "--3way", "--index", *(f"--include={p}" for p in tests_only),
+                             str(diff.path))
+
+                    report = pr_checks.run_checks(base_tree, with_tree, diff, checks, scratch, add_tests_to_base)
+                if not report.ok:
+                    raise Refused(f"{diff.path.name} is not ready for {base}:\n{report.format()}")
+    _git(repo, "switch", "--quiet", "--create", branch, commit)
     git_dir = Path(_git(repo, "rev-parse", "--absolute-git-dir").stdout.strip())
     target = Path(body_file) if body_file else git_dir / "metapatch" / f"{patch_id}-pr-body.md"
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(pr_body(patch, diff))
+    target.write_text(pr_body(patch, diff, test_ids=test_ids, report=report))
     command = " ".join(shlex.quote(part) for part in (
         "gh", "pr", "create", "--base", base, "--head", branch, "--title", subject, "--body-file", str(target)))
-    return Prepared(branch, base, commit, target, subject, f"cd {shlex.quote(str(repo))} && {command}")
+    return Prepared(branch, base, commit, target, subject, f"cd {shlex.quote(str(repo))} && {command}", report)
+
+
+@contextlib.contextmanager
+def _worktree(repo: Path, base: str, where: Path):
+    """A detached worktree of ``base``; removed (with its administrative files) afterwards."""
+    _git(repo, "worktree", "add", "--quiet", "--detach", str(where), base)
+    try:
+        yield where
+    finally:
+        _git(repo, "worktree", "remove", "--force", str(where), check=False)
+        _git(repo, "worktree", "prune", check=False)
 
 
 def commit_message(diff: Any) -> str:
@@ -382,6 +437,98 @@ def _closure_source(source: str, module_name: str, function: str) -> str:
     return "\n".join(imports) + ("\n\n\n" if imports else "") + "\n\n\n".join(blocks)
 
 
+def standalone_reproducer(diff: Any) -> Optional[Path]:
+    """``upstream_diffs/<id>/<diff stem>.reproducer.py`` or ``reproducer.py``: one short file that
+    needs only the upstream packages and fails on the base."""
+    for name in (f"{diff.path.stem}.reproducer.py", "reproducer.py"):
+        path = diff.path.parent / name
+        if path.is_file():
+            return path
+    return None
+
+
+def reproducer_fields(source: str) -> dict:
+    """``Scenario:`` and ``Fails with:`` lines of a reproducer's docstring."""
+    doc = ast.get_docstring(ast.parse(source)) or ""
+    fields = {}
+    for key in ("Scenario", "Fails with", "Affected"):
+        match = re.search(rf"(?m)^{key}:\s*(.+)$", doc)
+        if match:
+            fields[key] = match.group(1).strip()
+    return fields
+
+
+def _repository_of(diff: Any) -> Optional[str]:
+    from metapatch.commands.pr_checks import REPOSITORIES
+
+    return REPOSITORIES.get(diff.package)
+
+
+def issue_links(patch: Any, diff: Any) -> "tuple[List[str], List[str]]":
+    """(links to a filed issue or report of this bug, related links). Search URLs are neither;
+    a link into another project's tracker is related, not the report."""
+    reported, related = [], []
+    repository = _repository_of(diff)
+    for link in dict.fromkeys(b for b in (*re.split(r"[\s,]+", diff.header.get("Bug", "")), *patch.upstream.bug) if b):
+        if not link.startswith("http") or "?q=" in link or "/search" in link or "/issues?" in link:
+            continue  # "no issue filed", or a search: not a report
+        match = re.match(r"https://github\.com/([^/]+/[^/]+)/(issues|pull)/\d+", link)
+        if match and repository and match.group(1).lower() != repository.lower():
+            related.append(link)
+        else:
+            reported.append(link)
+    return reported, related
+
+
+def pr_body(patch: Any, diff: Any, test_ids: Optional[List[str]] = None, report: Any = None) -> str:
+    subject, body = diff.description
+    reported, related = issue_links(patch, diff)
+    package_files = [s.path for s in diff.package_sections()]
+    lines = ["## Problem", "", body or subject, ""]
+    lines += ["Reported in: " + ", ".join(reported) if reported else "No issue filed.", ""]
+    if related:
+        lines += ["Related: " + ", ".join(related), ""]
+    lines += ["## Minimal reproducer", ""]
+    standalone = standalone_reproducer(diff)
+    if standalone is not None:
+        source = standalone.read_text()
+        fields = reproducer_fields(source)
+        lines.append("Needs only the packages this PR touches (and torch); it builds a tiny random model."
+                     + (f" Without the fix it fails with `{fields['Fails with']}`." if fields.get("Fails with") else ""))
+        lines += ["", "```python", source.rstrip(), "```", ""]
+    else:
+        reproducer, scenarios = _reproducer(patch)
+        main = next((s for s in scenarios if s["expected_error"] and s["in_selftest"]), scenarios[0]) if scenarios else None
+        if reproducer and main:
+            error = main["expected_error"]
+            lines += [f"`{main['function']}` from `{main['module']}`: {main['description'] or main['name']}"
+                      + (f". Without the fix it raises `{error}`." if error else "."), "",
+                      "```python", reproducer.rstrip(), "```", ""]
+            others = [s for s in scenarios if s is not main]
+            if others:
+                lines += ["Other scenarios of the same bug:", ""]
+                lines += [f"- `{s['function']}`: {s['description'] or s['name']}"
+                          + (f". Without the fix it raises `{s['expected_error']}`." if s["expected_error"] else "")
+                          for s in others] + [""]
+        else:
+            lines += ["(no reproducer shipped with this patch)", ""]
+    lines += ["## Fix", "", subject, "", "Changed: " + (", ".join(f"`{p}`" for p in package_files) or "(none)"), ""]
+    lines += ["## Test", ""]
+    tests = test_ids if test_ids is not None else _added_tests(diff.other_sections())
+    if tests:
+        lines += ["Regression test(s) added:", ""] + [f"- `{t}`" for t in tests] + [""]
+        lines += ["```", "python -m pytest " + " ".join(tests), "```", ""]
+    elif diff.other_sections():
+        lines += ["Tests changed: " + ", ".join(f"`{s.path}`" for s in diff.other_sections()), ""]
+    else:
+        lines += ["No upstream test covers this code yet; the reproducer above fails before the fix and passes after it.", ""]
+    if report is not None:
+        lines += ["Checked before opening this PR:", "", "```", report.format(), "```", ""]
+    lines += [f"This change comes from the metapatch patch `{patch.id}` ({patch.title}), which carries it as a "
+              "version-gated monkeypatch until a release has the fix.", ""]
+    return "\n".join(lines)
+
+
 def _added_tests(sections: Sequence[Any]) -> List[str]:
     found = []
     for section in sections:
@@ -390,38 +537,3 @@ def _added_tests(sections: Sequence[Any]) -> List[str]:
             if match:
                 found.append(f"{section.path}::{match.group(1)}")
     return found
-
-
-def pr_body(patch: Any, diff: Any) -> str:
-    subject, body = diff.description
-    bugs = [b for b in (diff.header.get("Bug", ""), *patch.upstream.bug) if b]
-    package_files = [s.path for s in diff.package_sections()]
-    test_sections = diff.other_sections()
-    reproducer, scenarios = _reproducer(patch)
-    lines = ["## Problem", "", body or subject, ""]
-    if bugs:
-        lines += ["Reported in: " + ", ".join(dict.fromkeys(bugs)), ""]
-    lines += ["## Minimal reproducer", ""]
-    if reproducer:
-        lines += [f"The reproducers in `{patch.selftest}` (metapatch's selftest; each builds tiny random models "
-                  "in a temporary directory and compares with the in-memory model):", ""]
-        for scenario in scenarios:
-            error = scenario["expected_error"]
-            lines.append(f"- `{scenario['function']}`: {scenario['description'] or scenario['name']}"
-                         + (f". Without the fix it raises `{error}`." if error else ""))
-        lines += ["", "The first one, with what it uses:", "", "```python", reproducer.rstrip(), "```", ""]
-    else:
-        lines += ["(no reproducer shipped with this patch)", ""]
-    lines += ["## Fix", "", subject, "", "Changed: " + (", ".join(f"`{p}`" for p in package_files) or "(none)"), ""]
-    lines += ["## Test", ""]
-    tests = _added_tests(test_sections)
-    if tests:
-        lines += ["Regression test(s) added:", ""] + [f"- `{t}`" for t in tests] + [""]
-        lines += ["```", "python -m pytest " + " ".join(sorted({t.split('::')[0] for t in tests})), "```", ""]
-    elif test_sections:
-        lines += ["Tests changed: " + ", ".join(f"`{s.path}`" for s in test_sections), ""]
-    else:
-        lines += ["No upstream test covers this code yet; the reproducer above fails before the fix and passes after it.", ""]
-    lines += [f"This change comes from the metapatch patch `{patch.id}` ({patch.title}), which carries it as a "
-              "version-gated monkeypatch until a release has the fix.", ""]
-    return "\n".join(lines)

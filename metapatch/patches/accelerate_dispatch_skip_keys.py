@@ -1,5 +1,6 @@
 """accelerate-dispatch-skip-keys: ``accelerate.dispatch_model`` called without ``skip_keys`` uses the
-model's own ``_skip_keys_device_placement`` (looked up through a PEFT wrapper too).
+model's own ``_skip_keys_device_placement`` (looked up through a PEFT wrapper too); an explicit
+``skip_keys=None`` is left alone.
 
 accelerate's hooks move every forward kwarg to the execution device with ``send_to_device``, which
 rebuilds each mapping it is handed. Gemma 4's KV-shared layers communicate through a dict passed as
@@ -37,7 +38,9 @@ def model_skip_keys(model: Any) -> Optional[List[str]]:
 
 def _dispatch_model(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     bound = signature_of(wrapped).bind_partial(*args, **kwargs)
-    if bound.arguments.get("skip_keys") is None and "model" in bound.arguments:
+    # Only when the caller left skip_keys out: an explicit ``skip_keys=None`` keeps accelerate's
+    # meaning (move every input), as the upstream diff does.
+    if "skip_keys" not in bound.arguments and "model" in bound.arguments:
         keys = model_skip_keys(bound.arguments["model"])
         if keys:
             bound.arguments["skip_keys"] = keys

@@ -25,6 +25,7 @@ and untied models alike.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any, Dict, Optional
 
 from .._calls import call_arguments
@@ -95,7 +96,9 @@ def _upstream_counts_each_tie_once() -> bool:
     return _transformers_at_least("5.13.0.dev0")
 
 
+@lru_cache(maxsize=None)
 def _transformers_at_least(version: str) -> bool:
+    # cached: reading a distribution's metadata costs more than a small model's whole map inference
     import importlib.metadata
 
     from packaging.version import Version
@@ -112,6 +115,7 @@ def _single_disk_maps_are_dispatched() -> bool:
     return _transformers_at_least("5.13.0.dev0") and _accelerate_at_least("1.15.0.dev0")
 
 
+@lru_cache(maxsize=None)
 def _accelerate_at_least(version: str) -> bool:
     import importlib.metadata
 
