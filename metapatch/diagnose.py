@@ -300,12 +300,17 @@ def check_model_device(model: Any) -> Optional[Finding]:
     if device is None or str(device) != "meta":
         return None
     target = _input_device(model)
-    return Finding(
+    finding = Finding(
         "model-device-meta", ERROR,
         "model.device is meta (its first parameter is offloaded), so inputs.to(model.device) sends inputs to meta",
         [],
-        fix=(f"move inputs to the input embeddings' execution device instead: inputs.to({target!r})"
-             if target else "move inputs to the device that holds the input embeddings"))
+        fix=(f"import metapatch (offloaded-model-device makes model.device the execution device), or move inputs "
+             f"to the input embeddings' execution device: inputs.to({target!r})"
+             if target else "import metapatch (offloaded-model-device), or move inputs to the device that holds "
+             "the input embeddings"))
+    # The patch that answers it (the -v4 sibling on transformers 4.57): whichever this install has.
+    ids = [i for i in _patch_ids("offloaded-model-device") if _patch_state(i) != "not-affected"]
+    return _with_patch(finding, next(iter(ids or _patch_ids("offloaded-model-device")), None))
 
 
 def _input_device(model: Any) -> Optional[str]:

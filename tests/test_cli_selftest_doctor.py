@@ -23,12 +23,14 @@ ROOT = Path(__file__).resolve().parents[1]
 AFFECTED = metapatch.registry._gate(PATCH)[0]
 
 
-def _cli(*args, cwd=None, timeout=600):
+def _cli(*args, cwd=None, timeout=600, env=None):
     env_path = str(ROOT)
     import os
 
+    extra = env or {}
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [env_path, os.environ.get("PYTHONPATH")])))
     env.pop("METAPATCH_DISABLE", None)
+    env.update(extra)
     return subprocess.run([sys.executable, "-m", "metapatch", *args], capture_output=True, text=True,
                           cwd=cwd or ROOT, env=env, timeout=timeout)
 
@@ -254,11 +256,16 @@ def test_doctor_auto_map_with_max_memory_offloads_and_runs(checkpoint, tmp_path)
 def test_doctor_reports_meta_model_device_and_exits_1(checkpoint, tmp_path):
     device_map = {"model.embed_tokens": "disk", "model.rotary_emb": "cpu", "model.layers": "cpu",
                   "model.norm": "cpu", "lm_head": "cpu"}
-    proc = _cli("doctor", str(checkpoint), "--device-map", json.dumps(device_map),
-                "--offload-folder", str(tmp_path / "offload"))
+    args = ("doctor", str(checkpoint), "--device-map", json.dumps(device_map),
+            "--offload-folder", str(tmp_path / "offload"))
+    # metapatch's offloaded-model-device answers it: nothing to report.
+    proc = _cli(*args)
+    assert proc.returncode == 0 and "model-device-meta" not in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    # Upstream's model.device (the patch disabled): the finding, naming the patch.
+    proc = _cli(*args, env={"METAPATCH_DISABLE": "offloaded-model-device,offloaded-model-device-v4"})
     assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
     assert "[error] model-device-meta" in proc.stdout
-    assert "inputs.to('cpu')" in proc.stdout
+    assert "inputs.to('cpu')" in proc.stdout and "offloaded-model-device" in proc.stdout
     assert "forward pass: ok" in proc.stdout  # the model runs; the report is about inputs.to(model.device)
 
 

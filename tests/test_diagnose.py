@@ -3,6 +3,7 @@ tensors/modules and the patch or action, and stays quiet on a healthy model."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -98,13 +99,30 @@ def test_offload_hook_with_incomplete_weights_map_is_unfilled(checkpoints):
     assert "model.layers.1.self_attn" in " ".join(report.finding("offloaded").items)
 
 
+@contextlib.contextmanager
+def _without(*patch_ids):
+    """The upstream behaviour for a moment: these patches removed, then applied again."""
+    for patch_id in patch_ids:
+        metapatch.unpatch(patch_id)
+    try:
+        yield
+    finally:
+        metapatch.install()
+
+
 def test_split_without_hf_device_map_and_meta_model_device(checkpoints):
     model = _load(checkpoints["plain"])
     accelerate.cpu_offload(model, execution_device="cpu")  # offloads everything, sets no hf_device_map
-    report = diagnose(model)
+    # With offloaded-model-device active, model.device is the execution device: nothing to report.
+    assert str(model.device) == "cpu"
+    assert "model-device-meta" not in diagnose(model).codes()
+    with _without("offloaded-model-device", "offloaded-model-device-v4"):
+        assert str(model.device) == "meta"
+        report = diagnose(model)
     assert {"no-hf-device-map", "model-device-meta", "offloaded"} <= set(report.codes())
     assert "meta-unfilled" not in report.codes()
     assert "inputs.to('cpu')" in report.finding("model-device-meta").fix
+    assert report.finding("model-device-meta").patch.startswith("offloaded-model-device")
     # every module with parameters; rotary_emb holds only a buffer, which cpu_offload leaves in place
     assert report.finding("offloaded").items == [
         "model.embed_tokens (cpu)", "model.layers (cpu)", "model.norm (cpu)", "lm_head (cpu)"]
@@ -113,8 +131,10 @@ def test_split_without_hf_device_map_and_meta_model_device(checkpoints):
 def test_model_device_meta_from_device_map(checkpoints, tmp_path):
     device_map = dict(OFFLOAD_MAP, **{"model.embed_tokens": "disk"})
     model = _load(checkpoints["plain"], device_map=device_map, offload_folder=str(tmp_path / "off"))
-    assert str(model.device) == "meta"
-    report = diagnose(model)
+    assert str(model.device) == "cpu"  # offloaded-model-device
+    with _without("offloaded-model-device", "offloaded-model-device-v4"):
+        assert str(model.device) == "meta"
+        report = diagnose(model)
     finding = report.finding("model-device-meta")
     assert finding is not None and "inputs.to('cpu')" in finding.fix
     # the advice works: inputs on that device run the model

@@ -4,38 +4,16 @@ machine) accelerate has put that weight back on meta by then, so denoising steps
 compute on a meta weight and ``generate()`` fails ("probability tensor contains either inf, nan ...").
 Seen with accelerate 1.13 (transformers 5.11) once the tied-device-map patches let such a model
 dispatch at all. The fix keeps the embedding's offloaded weight materialised for the duration of the
-decoder's forward and offloads it again afterwards.
+decoder's forward and offloads it again afterwards (metapatch._offloaded_weights, shared with
+gemma4-offloaded-embeddings).
 """
 
 from __future__ import annotations
 
+from .._offloaded_weights import call_with_materialised
 from .._records import Patch, Target, Upstream
 
 PATCH_ID = "diffusion-gemma-offloaded-embeddings"
-
-
-def _offload_hooks(module):
-    from accelerate.hooks import AlignDevicesHook, SequentialHook
-
-    hook = getattr(module, "_hf_hook", None)
-    hooks = hook.hooks if isinstance(hook, SequentialHook) else [hook]
-    return [h for h in hooks if isinstance(h, AlignDevicesHook) and h.offload]
-
-
-def _decoder_forward(wrapped, instance, args, kwargs):
-    embed = getattr(instance, "embed_tokens", None)
-    hooks = _offload_hooks(embed) if embed is not None and hasattr(embed, "_hf_hook") else []
-    if not hooks:
-        return wrapped(*args, **kwargs)
-    for hook in hooks:
-        hook.pre_forward(embed)  # materialise the weight on the execution device
-        hook.offload = False     # so the embedding's own forward does not offload it mid-way
-    try:
-        return wrapped(*args, **kwargs)
-    finally:
-        for hook in hooks:
-            hook.offload = True
-            hook.post_forward(embed, None)
 
 
 PATCH = Patch(
@@ -57,7 +35,7 @@ PATCH = Patch(
                 "a07cd94adcafac70",  # 5.23.0
                 "5ddcfa43de72bb1d",  # 5.24.0 (renames only)
             ),
-            wrapper=_decoder_forward,
+            wrapper=call_with_materialised("embed_tokens"),  # the decoder reads embed_tokens.weight directly
         ),
     ),
     upstream=Upstream(

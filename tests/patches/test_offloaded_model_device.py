@@ -1,0 +1,163 @@
+"""offloaded-model-device (transformers 5.x) and offloaded-model-device-v4 (4.57): three-way proof on a
+Llama loaded with its embedding on disk (subprocesses), plus in-process checks of the property on models
+offloaded with accelerate's own entry points.
+
+Measured unpatched (RuntimeError "Tensor.item() cannot be called on meta tensors" in generate()'s
+_prepare_special_tokens): transformers 4.57.6, 5.11.0, 5.17.0, 5.24.0."""
+
+from __future__ import annotations
+
+import pytest
+
+import metapatch
+from metapatch.diffs import apply_to_copy, diffs_for
+from metapatch.patches.offloaded_model_device import PATCH
+from metapatch.patches.offloaded_model_device_v4 import PATCH as V4_PATCH
+from metapatch.selftest import run_scenario, scenarios_for
+
+GATES = {p.id: metapatch.registry._gate(p) for p in (PATCH, V4_PATCH)}
+# The patch for the installed release line, and the one whose scenarios must report n/a here.
+ACTIVE, OTHER = (V4_PATCH, PATCH) if GATES[V4_PATCH.id][0] else (PATCH, V4_PATCH)
+AFFECTED, WHY, _ = GATES[ACTIVE.id]
+SCENARIOS = scenarios_for(ACTIVE.id)
+META_ITEM_ERROR = "Tensor.item() cannot be called on meta tensors"
+
+
+def test_scenarios_exist():
+    for patch in (PATCH, V4_PATCH):
+        names = {s.name for s in scenarios_for(patch.id)}
+        assert names == {"generate-embedding-on-disk", "device-unchanged-when-not-offloaded"}
+
+
+def test_exactly_one_release_line_is_affected():
+    assert not (GATES[PATCH.id][0] and GATES[V4_PATCH.id][0])
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
+def test_unpatched(scenario):
+    outcome = run_scenario(scenario, patched=False)
+    assert outcome.states[ACTIVE.id] == "disabled"
+    if AFFECTED and scenario.expected_error:
+        assert not outcome.passed, f"{scenario.key} passed unpatched on an affected install ({WHY})"
+        assert outcome.error_type == scenario.expected_error, outcome.traceback
+        assert META_ITEM_ERROR in outcome.error
+    else:
+        assert outcome.passed, outcome.traceback or outcome.stderr_tail
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
+def test_patched(scenario):
+    outcome = run_scenario(scenario, patched=True)
+    assert outcome.passed, outcome.traceback or outcome.stderr_tail
+    assert outcome.metrics["max_abs_diff"] == 0
+    assert outcome.states[ACTIVE.id] == ("applied" if AFFECTED else "not-affected")
+    if scenario.name == "generate-embedding-on-disk" and AFFECTED:
+        # the offload hook's execution device on a machine without accelerators, for the model and its base
+        assert outcome.metrics["model_device"] == outcome.metrics["inner_model_device"] == "cpu"
+
+
+@pytest.mark.parametrize("scenario", scenarios_for(OTHER.id), ids=lambda s: s.name)
+def test_other_release_line_is_not_applicable(scenario):
+    outcome = run_scenario(scenario, patched=True)
+    assert outcome.not_applicable and not outcome.passed, outcome.traceback or outcome.stderr_tail
+
+
+@pytest.fixture(scope="module")
+def transformers_with_diff(tmp_path_factory):
+    if ACTIVE is V4_PATCH:
+        pytest.skip("the upstream diff is written for transformers 5.x (main); 4.57 is a maintenance line whose "
+                    "property has another source")
+    (diff,) = diffs_for(PATCH.id)
+    assert diff.header["Forwarded"] == "no" and diff.header["Last-Update"]
+    return str(apply_to_copy(diff, tmp_path_factory.mktemp("transformers-offloaded-model-device")))
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
+def test_upstream_diff_alone(scenario, transformers_with_diff):
+    outcome = run_scenario(scenario, patched=False, pythonpath=[transformers_with_diff])
+    assert outcome.passed, outcome.traceback or outcome.stderr_tail
+    assert outcome.metrics["max_abs_diff"] == 0
+
+
+# -- in-process: the property as installed in this test process --------------------------------
+
+torch = pytest.importorskip("torch")
+accelerate = pytest.importorskip("accelerate")
+needs_patch = pytest.mark.skipif(not AFFECTED, reason=f"patch not active here: {WHY}")
+
+
+def _tiny_llama():
+    from transformers import LlamaForCausalLM
+
+    from metapatch.selftest._models import tiny_llama_config
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(tiny_llama_config(num_hidden_layers=2)).eval()
+
+
+@needs_patch
+def test_cpu_offload_reports_the_execution_device():
+    model = _tiny_llama()
+    ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = model(ids).logits
+    accelerate.cpu_offload(model, execution_device="cpu")  # every weight on meta behind a leaf hook
+    assert model.model.embed_tokens.weight.is_meta
+    assert model.device == torch.device("cpu") and model.model.device == torch.device("cpu")
+    with torch.no_grad():
+        assert torch.equal(model(ids.to(model.device)).logits, expected)
+
+
+@needs_patch
+def test_hook_on_an_ancestor_that_places_submodules():
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+    from accelerate.utils import OffloadedWeightsLoader
+
+    model = _tiny_llama()
+    state = dict(model.model.state_dict())
+    # one hook on the whole base model, as accelerate's hooks on blocks do with place_submodules; it puts
+    # every parameter of the base model on meta
+    add_hook_to_module(model.model, AlignDevicesHook(execution_device="cpu", offload=True, place_submodules=True,
+                                                     weights_map=OffloadedWeightsLoader(state_dict=state)))
+    assert model.model.embed_tokens.weight.is_meta
+    assert model.model.device == torch.device("cpu") and model.device == torch.device("cpu")
+    # an offload hook below the first parameter's owner does not govern it: a meta embedding is still meta
+    genuinely_meta = _tiny_llama()
+    add_hook_to_module(genuinely_meta.model.layers[0], AlignDevicesHook(execution_device="cpu", offload=True,
+                                                                        place_submodules=True))
+    genuinely_meta.model.embed_tokens.to("meta")
+    assert genuinely_meta.device == torch.device("meta")
+
+
+def test_models_that_are_not_offloaded_keep_upstream_answer():
+    from accelerate import init_empty_weights
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+    from transformers import LlamaForCausalLM
+
+    from metapatch.selftest._models import tiny_llama_config
+
+    model = _tiny_llama()
+    assert model.device == torch.device("cpu")
+    add_hook_to_module(model, AlignDevicesHook(execution_device="cpu", io_same_device=True))  # dispatched, no offload
+    assert model.device == torch.device("cpu")
+    with init_empty_weights():
+        empty = LlamaForCausalLM(tiny_llama_config(num_hidden_layers=1))
+    assert empty.device == torch.device("meta")
+
+
+@needs_patch
+def test_unpatch_restores_the_original_property():
+    from transformers.modeling_utils import ModuleUtilsMixin
+
+    installed = vars(ModuleUtilsMixin)["device"]
+    original = getattr(installed, "_self_metapatch")[2]
+    model = _tiny_llama()
+    accelerate.cpu_offload(model, execution_device="cpu")
+    metapatch.unpatch(ACTIVE.id)
+    try:
+        assert vars(ModuleUtilsMixin)["device"] is original
+        assert model.device == torch.device("meta")  # upstream's answer
+    finally:
+        metapatch.install([ACTIVE.id])
+    assert vars(ModuleUtilsMixin)["device"] is installed or model.device == torch.device("cpu")
+    assert {r["id"]: r["state"] for r in metapatch.status()}[ACTIVE.id] == "applied"
