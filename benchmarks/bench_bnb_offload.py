@@ -5,9 +5,15 @@ Measured side by side in one run, on the CPU (disk offload, CPU main device):
   undispatched quantized model (packed weight + quant state), and against the packed weight alone
   (goal: only the quant-state scalars and absmax remain, under 5% of the packed weight);
 * forward time of the dispatched 4-bit model against the same model dispatched in bfloat16 with
-  the same device map, and the number of quantize calls during those forwards (goal: zero).
+  the same device map, and against the undispatched 4-bit model (goal: <= 1.25 for nf4 double
+  quant), and the number of quantize calls during those forwards (goal: zero);
+* forward time of a LoRA adapter (non-zero B) over the dispatched nf4 double-quant base against the
+  same adapter over the in-memory base.
 
-    python benchmarks/bench_bnb_offload.py [--hidden 512] [--repeats 5]
+Every pair is timed interleaved (one forward of each per round, so machine load hits both alike);
+the figures are ratios of medians over the rounds.
+
+    python benchmarks/bench_bnb_offload.py [--hidden 512] [--repeats 7]
 """
 
 from __future__ import annotations
@@ -71,7 +77,7 @@ def timed_forwards(model: Any, ids: Any, repeats: int) -> List[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=512, help="hidden size (multiple of 64)")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7, help="interleaved rounds (medians)")
     parser.add_argument("--tokens", type=int, default=32)
     args = parser.parse_args()
 
@@ -104,7 +110,7 @@ def main() -> None:
             for _ in range(args.repeats):  # interleaved, so that load on the machine hits all alike
                 quant_times += timed_forwards(dispatched, ids, 1)
                 bf16_times += timed_forwards(bf16, ids, 1)
-        memory_times = timed_forwards(in_memory, ids, args.repeats)
+                memory_times += timed_forwards(in_memory, ids, 1)
         resident = resident_bytes(layers_offloaded)
         print(f"{quant_type + (' double-quant' if double_quant else ''):<22}"
               f"{resident / resident_bytes(layers_in_memory):>20.4f}"
@@ -112,10 +118,31 @@ def main() -> None:
               f"{statistics.median(quant_times) / statistics.median(bf16_times):>16.2f}"
               f"{statistics.median(quant_times) / statistics.median(memory_times):>18.2f}"
               f"{sum(counts.values()):>16d}")
+    lora_over_offloaded_4bit(work, ids, args.repeats)
     print("resident: bytes the offloaded layers keep in memory while offloaded (host copy of the quant state);")
     print("in-memory: the same layers undispatched (packed weight + quant state); packed: packed weights alone.")
     print("fwd 4bit/bf16: dispatched 4-bit vs the same map in bfloat16;")
     print("fwd disp/in-mem: dispatched vs undispatched 4-bit (median of interleaved forwards).")
+
+
+def lora_over_offloaded_4bit(work: Path, ids: Any, repeats: int) -> None:
+    """LoRA (init_lora_weights=False) over the nf4 double-quant base: dispatched (disk offload) against
+    in memory, interleaved."""
+    from peft import PeftModel
+
+    from metapatch.selftest.peft_offload import save_adapter
+
+    config = scenario.quant_config("nf4", True, "bfloat16")
+    adapter = save_adapter("llama", work / "base", work / "adapter", seed=3)
+    in_memory = PeftModel.from_pretrained(scenario.load_quantized(work / "base", config), adapter).eval()
+    offloaded = PeftModel.from_pretrained(
+        scenario.dispatch(scenario.load_quantized(work / "base", config), work / "lora-nf4"), adapter).eval()
+    offloaded_times, memory_times = [], []
+    for _ in range(repeats):
+        offloaded_times += timed_forwards(offloaded, ids, 1)
+        memory_times += timed_forwards(in_memory, ids, 1)
+    print(f"{'nf4 dq + LoRA':<22}{'':>20}{'':>18}{'':>16}"
+          f"{statistics.median(offloaded_times) / statistics.median(memory_times):>18.2f}{'':>16}")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import os
 import sys
 import threading
 from collections.abc import Mapping
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, NamedTuple
 
 from ._records import MetapatchError, Patch, State, Target
 
@@ -200,6 +200,15 @@ class _Retry(Exception):
     """A target changed between planning and committing (another thread): plan again."""
 
 
+class Gate(NamedTuple):
+    """The version gate's answer for one patch on this install."""
+
+    affected: bool  # apply it
+    why: str  # the ranges that matched, or why not
+    versions: Dict[str, Optional[str]]  # installed version per distribution in ``affects``
+    state: Optional["State"]  # None when affected, else NOT_AFFECTED or NOT_MEASURED
+
+
 class Registry:
     def __init__(self, patches: Iterable[Patch], support_window: Optional[Dict[str, str]] = None):
         """``patches``: records, or a :class:`LazyPatches` (records loaded when first needed)."""
@@ -240,10 +249,11 @@ class Registry:
             self._window = dict(getattr(tested_versions, "SUPPORT_WINDOW", {}))
         return self._window
 
-    def _gate(self, patch: Patch) -> Tuple[bool, str, Dict[str, Optional[str]]]:
-        """(affected?, why, versions): whether the patch is to be applied on this install."""
+    def gate(self, patch: Patch) -> "Gate":
+        """Whether ``patch`` is to be applied on this install, and why (the version gate alone:
+        nothing is imported or patched). Public: the CLI, the reports and the tests ask it."""
         verdict, why, versions = self._verdict(patch)
-        return verdict is None, why, versions
+        return Gate(verdict is None, why, versions, verdict)
 
     def _verdict(self, patch: Patch) -> Tuple[Optional[State], str, Dict[str, Optional[str]]]:
         """(verdict, why, versions): verdict None means affected (patch it), otherwise the state

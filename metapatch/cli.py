@@ -8,7 +8,8 @@ import importlib
 import sys
 from typing import List, Optional
 
-COMMANDS = ("status", "selftest", "doctor", "diffs", "pr", "pins", "fingerprint", "survey", "run", "enable", "disable")
+COMMANDS = ("status", "selftest", "doctor", "diffs", "pr", "pins", "fingerprint", "survey", "run", "enable", "disable",
+            "explain")
 
 EPILOG = """environment:
   METAPATCH_DISABLE=id1,id2|all   do not install these patches (ids as in `metapatch status`)

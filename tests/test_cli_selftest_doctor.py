@@ -20,7 +20,7 @@ from metapatch.patches.offloaded_move_guard import PATCH
 from metapatch.selftest import Scenario, all_scenarios, run_scenario, scenarios_for
 
 ROOT = Path(__file__).resolve().parents[1]
-AFFECTED = metapatch.registry._gate(PATCH)[0]
+AFFECTED = metapatch.registry.gate(PATCH).affected
 
 
 def _cli(*args, cwd=None, timeout=600, env=None):

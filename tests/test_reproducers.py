@@ -3,7 +3,7 @@
 imported nor on the path, on the installed stack, and fails with the error its docstring names
 where the installed versions have the bug, or passes where they do not.
 
-"Where they have the bug": the patch's affected range (`registry._gate`), or, for a reproducer
+"Where they have the bug": the patch's affected range (`registry.gate`), or, for a reproducer
 marked ``Affected: diff``, the diff's own verdict against the installed package (``applies``: the
 bug is there). Short by design: under 60 lines."""
 
@@ -26,7 +26,7 @@ REPRODUCERS = sorted((ROOT / "upstream_diffs").glob("*/reproducer.py"))
 def _needs_the_bug(patch_id: str, fields: dict) -> bool:
     if fields.get("Affected") == "diff":
         return all(diffs.check(d).verdict == diffs.APPLIES for d in diffs.diffs_for(patch_id))
-    return registry._gate(registry.patches[patch_id])[0]
+    return registry.gate(registry.patches[patch_id]).affected
 
 
 @pytest.mark.parametrize("path", REPRODUCERS, ids=[p.parent.name for p in REPRODUCERS])

@@ -152,7 +152,7 @@ def judge(verdict: str, patch: Any, status_row: Dict[str, Any], registry: Any,
     """Does the diff's verdict agree with the patch's state? (agree, what to tell the user)."""
     state = status_row["state"]
     # A disabled patch has no gate of its own in status(); ask the registry's gate directly.
-    in_range = state in _IN_RANGE_STATES or (state == "disabled" and registry._gate(patch)[0])
+    in_range = state in _IN_RANGE_STATES or (state == "disabled" and registry.gate(patch).affected)
     own = _own_range(patch, distribution, version)
     spec = patch.affects.get(distribution, "")
     label = f"{distribution} {version}"

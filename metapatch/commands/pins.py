@@ -60,7 +60,7 @@ def _states(registry: Any) -> Dict[str, str]:
     for row in registry.status():
         state = row["state"]
         if state == "disabled":
-            state = "pending-import" if registry._gate(registry.patches[row["id"]])[0] else "not-affected"
+            state = "pending-import" if registry.gate(registry.patches[row["id"]]).affected else "not-affected"
         states[row["id"]] = state
     return states
 

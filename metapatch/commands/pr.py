@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, List, Optional, Sequence
 
-HELP = "turn a patch's upstream diff into a commit on a new branch of an upstream clone, with a PR body"
+HELP = ("prove a patch's upstream diff in an upstream clone (upstream tests before/after, regression tests that "
+        "fail on the base and pass with the diff, upstream's ruff config), then commit it on a new branch "
+        "with a PR body; refuses when a check fails")
 
 DESCRIPTION = """In a local clone of the upstream repository (a clean work tree): apply the patch's
 upstream diff three-way on BASE in a throw-away worktree and commit it with the diff's DEP-3

@@ -128,7 +128,7 @@ def run_one(scenario: Any, registry: Any, timeout: float) -> Row:
 
     patch = registry.patches.get(scenario.patch_id)
     if patch is not None:
-        affected, reason, installed = registry._gate(patch)
+        affected, reason, installed, _ = registry.gate(patch)
     else:
         affected, reason, installed = None, "no patch with this id is registered", {}
     row = Row(scenario.key, scenario.patch_id, scenario.description, affected, reason, dict(installed),

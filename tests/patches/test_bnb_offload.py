@@ -26,11 +26,11 @@ from metapatch.patches.bnb_quant_state_offload import PATCH as BNB_PATCH
 from metapatch.selftest import run_scenario, scenarios_for
 from metapatch.selftest._harness import Outcome, Scenario
 
-BNB_AFFECTED = metapatch.registry._gate(BNB_PATCH)[0]
-PROBE_AFFECTED = metapatch.registry._gate(PROBE_PATCH)[0]
+BNB_AFFECTED = metapatch.registry.gate(BNB_PATCH).affected
+PROBE_AFFECTED = metapatch.registry.gate(PROBE_PATCH).affected
 # transformers 5.x x bitsandbytes < 0.50: a model dispatched as loaded fails first with a TypeError
 # from Params4bit.__new__ (another patch, bnb-params4bit-extra-attributes; see its tests).
-EXTRA_AFFECTED = metapatch.registry._gate(EXTRA_PATCH)[0]
+EXTRA_AFFECTED = metapatch.registry.gate(EXTRA_PATCH).affected
 AS_LOADED = ("dispatch-double-quant", "peft-lora-over-offloaded")  # dispatched without a deepcopy
 SCENARIOS = {s.name: s for s in scenarios_for(BNB_PATCH.id)}
 

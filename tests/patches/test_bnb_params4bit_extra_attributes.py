@@ -13,7 +13,7 @@ from metapatch._registry import Registry
 from metapatch.patches.bnb_params4bit_extra_attributes import PATCH, _accepting_extra_keywords
 from metapatch.selftest import run_scenario, scenarios_for
 
-AFFECTED, WHY, VERSIONS = metapatch.registry._gate(PATCH)
+AFFECTED, WHY, VERSIONS, _ = metapatch.registry.gate(PATCH)
 (SCENARIO,) = scenarios_for(PATCH.id)
 
 
@@ -52,7 +52,7 @@ def test_patched():
 def test_gate(bnb, transformers, accelerate, affected, reason):
     registry = Registry([PATCH])
     registry._versions.update({"bitsandbytes": bnb, "transformers": transformers, "accelerate": accelerate})
-    found, why, _ = registry._gate(PATCH)
+    found, why, _, _ = registry.gate(PATCH)
     assert found is affected
     assert reason in why
 

@@ -16,7 +16,7 @@ from metapatch.selftest import run_scenario, scenarios_for
 
 PATCH_ID = PATCH.id
 SCENARIOS = scenarios_for(PATCH_ID)
-AFFECTED, WHY, _ = metapatch.registry._gate(PATCH)
+AFFECTED, WHY, _, _ = metapatch.registry.gate(PATCH)
 META_DEVICE_ERROR = "Tensor on device meta is not on the expected device"
 
 

@@ -22,7 +22,7 @@ from metapatch.selftest import run_scenario, scenarios_for
 
 PATCH_ID = PATCH.id
 SCENARIOS = scenarios_for(PATCH_ID)
-AFFECTED, WHY, VERSIONS = metapatch.registry._gate(PATCH)
+AFFECTED, WHY, VERSIONS, _ = metapatch.registry.gate(PATCH)
 DEVICE_ERROR = "Tensor on device cpu is not on the expected device meta!"
 
 needs_gguf = pytest.mark.skipif(VERSIONS.get("gguf") is None, reason="the gguf package is not installed")

@@ -15,10 +15,10 @@ from metapatch.patches.offloaded_model_device import PATCH
 from metapatch.patches.offloaded_model_device_v4 import PATCH as V4_PATCH
 from metapatch.selftest import run_scenario, scenarios_for
 
-GATES = {p.id: metapatch.registry._gate(p) for p in (PATCH, V4_PATCH)}
+GATES = {p.id: metapatch.registry.gate(p) for p in (PATCH, V4_PATCH)}
 # The patch for the installed release line, and the one whose scenarios must report n/a here.
 ACTIVE, OTHER = (V4_PATCH, PATCH) if GATES[V4_PATCH.id][0] else (PATCH, V4_PATCH)
-AFFECTED, WHY, _ = GATES[ACTIVE.id]
+AFFECTED, WHY, _, _ = GATES[ACTIVE.id]
 SCENARIOS = scenarios_for(ACTIVE.id)
 META_ITEM_ERROR = "Tensor.item() cannot be called on meta tensors"
 

@@ -17,7 +17,7 @@ from metapatch.selftest import run_scenario, scenarios_for
 
 PATCH_ID = PATCH.id
 SCENARIOS = scenarios_for(PATCH_ID)
-AFFECTED, WHY, VERSIONS = metapatch.registry._gate(PATCH)
+AFFECTED, WHY, VERSIONS, _ = metapatch.registry.gate(PATCH)
 
 
 def test_scenarios_exist():
@@ -67,7 +67,7 @@ def test_upstream_diff_alone(scenario, accelerate_with_diff):
 def test_not_affected_without_accelerate():
     registry = Registry([PATCH])
     registry._versions["accelerate"] = None
-    affected, reason, _ = registry._gate(PATCH)
+    affected, reason, _, _ = registry.gate(PATCH)
     assert not affected and "accelerate is not installed" in reason
 
 

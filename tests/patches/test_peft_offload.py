@@ -28,7 +28,7 @@ ROOT = Path("/")
 
 
 def affected(patch) -> bool:
-    return registry._gate(patch)[0]
+    return registry.gate(patch).affected
 
 
 def _root_listing() -> set:

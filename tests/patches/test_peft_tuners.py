@@ -27,7 +27,7 @@ WITH_DIFF = ("tuners-from-pretrained", "tuners-get-peft-model", "train-step-fp32
 
 
 def affected() -> bool:
-    return registry._gate(REDISPATCH)[0]
+    return registry.gate(REDISPATCH).affected
 
 
 def _accelerate_fixes_all_disk() -> bool:

@@ -45,7 +45,7 @@ NO_MODEL = "transformers has no DiffusionGemma (it arrived in 5.11): the Diffusi
 needs_model = pytest.mark.skipif(not HAS_MODEL, reason=NO_MODEL)
 
 ALL_PATCHES = (TF_PATCH, ACC_PATCH, INDEX_PATCH, POINTER_PATCH, EMBED_PATCH, V4_PATCH)
-GATE = {p.id: bool(metapatch.registry._gate(p)[0]) for p in ALL_PATCHES}
+GATE = {p.id: bool(metapatch.registry.gate(p).affected) for p in ALL_PATCHES}
 SCENARIOS = {s.key: s for s in sc.SCENARIOS}
 
 

@@ -1,0 +1,203 @@
+"""Reproducers of reports about transformers models with offloaded or meta weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict
+
+import torch
+import transformers
+
+from _tiny import (LLAMA_DISK_MAP, LLAMA_EMBEDDING_ON_DISK, assert_matches, cached, greedy, input_ids, llama, logits,
+                   offload, require, save_random)
+
+
+def _tiny_text(**extra: Any) -> Dict[str, Any]:
+    values = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    values.update(extra)
+    return values
+
+
+def generate_inputs_to_model_device(workdir: Path) -> Dict[str, Any]:
+    """diffusers#13096: Qwen2.5 with ``device_map="auto"``; the quickstart moves the prompt with
+    ``.to(model.device)``, which is meta when the first parameter (the embedding) is offloaded."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    ckpt = cached(workdir, "qwen2", lambda p: save_random(Qwen2ForCausalLM, Qwen2Config(**_tiny_text()), p))
+    reference = greedy(Qwen2ForCausalLM.from_pretrained(ckpt).eval())
+    model = Qwen2ForCausalLM.from_pretrained(ckpt, device_map=LLAMA_EMBEDDING_ON_DISK, offload_folder=offload(workdir))
+    ids = input_ids().to(model.device)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    if not torch.equal(out.cpu(), reference):
+        raise AssertionError(f"generate with the embedding offloaded: outputs differ from the in-memory reference ({out} vs {reference})")
+    return {"tokens": out.tolist()}
+
+
+def resize_token_embeddings_offloaded(workdir: Path) -> Dict[str, Any]:
+    """transformers#25554: ``resize_token_embeddings`` after loading with a device map that offloads
+    the embedding and the head; logits of the old vocabulary must not change."""
+    from transformers import LlamaForCausalLM
+
+    ckpt = llama(workdir)
+    reference = logits(LlamaForCausalLM.from_pretrained(ckpt).eval())
+    device_map = dict(LLAMA_EMBEDDING_ON_DISK, lm_head="disk")
+    model = LlamaForCausalLM.from_pretrained(ckpt, device_map=device_map, offload_folder=offload(workdir)).eval()
+    model.resize_token_embeddings(136)
+    got = logits(model)[..., :128]
+    return {"max_abs_diff": assert_matches(got, reference, "logits after resize_token_embeddings")}
+
+
+def gemma4_pad_embedding_offloaded(workdir: Path) -> Dict[str, Any]:
+    """transformers PR #48409: Gemma 4 reads ``embed_tokens.weight[pad_token_id]`` outside the
+    embedding's forward; with the embedding offloaded that is the meta placeholder."""
+    require(transformers, "Gemma4ForCausalLM")
+    from transformers import Gemma4ForCausalLM
+
+    from metapatch.selftest.peft_offload import offload_map, save_tiny_gemma4
+
+    ckpt = cached(workdir, "gemma4", save_tiny_gemma4)
+    reference = logits(Gemma4ForCausalLM.from_pretrained(ckpt).eval())
+    device_map = dict(offload_map("gemma4"), **{"model.embed_tokens": "disk"})
+    model = Gemma4ForCausalLM.from_pretrained(ckpt, device_map=device_map, offload_folder=offload(workdir)).eval()
+    return {"max_abs_diff": assert_matches(logits(model), reference, "Gemma 4 with its embedding on disk")}
+
+
+def linear_attention_offloaded(workdir: Path) -> Dict[str, Any]:
+    """transformers PR #46978: linear-attention layers (Qwen3-Next's gated delta net) use their conv
+    weights without calling the submodule's forward, so offloaded weights stayed meta."""
+    require(transformers, "Qwen3NextForCausalLM")
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    config = Qwen3NextConfig(**_tiny_text(), head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2,
+                             linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                             shared_expert_intermediate_size=32,
+                             layer_types=["linear_attention", "full_attention"] * 2)
+    ckpt = cached(workdir, "qwen3-next", lambda p: save_random(Qwen3NextForCausalLM, config, p))
+    reference = logits(Qwen3NextForCausalLM.from_pretrained(ckpt).eval())
+    model = Qwen3NextForCausalLM.from_pretrained(ckpt, device_map=LLAMA_DISK_MAP | {"model.layers.2": "disk", "model.layers.0": "disk"},
+                                                 offload_folder=offload(workdir)).eval()
+    return {"max_abs_diff": assert_matches(logits(model), reference, "linear attention on disk", tolerance=1e-4)}
+
+
+def save_disk_offloaded_moe(workdir: Path) -> Dict[str, Any]:
+    """transformers#47333: ``save_pretrained`` of a Qwen3 MoE model loaded with disk offload."""
+    require(transformers, "Qwen3MoeForCausalLM")
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(**_tiny_text(), head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    ckpt = cached(workdir, "qwen3-moe", lambda p: save_random(Qwen3MoeForCausalLM, config, p))
+    reference = logits(Qwen3MoeForCausalLM.from_pretrained(ckpt).eval())
+    model = Qwen3MoeForCausalLM.from_pretrained(ckpt, device_map=LLAMA_DISK_MAP, offload_folder=offload(workdir))
+    model.save_pretrained(workdir / "saved")
+    reloaded = Qwen3MoeForCausalLM.from_pretrained(workdir / "saved").eval()
+    return {"max_abs_diff": assert_matches(logits(reloaded), reference, "saved from a disk-offloaded MoE", tolerance=1e-4)}
+
+
+def tie_from_config_on_meta(workdir: Path) -> Dict[str, Any]:
+    """transformers PR #43523 (issue #43522): ``_from_config`` under ``torch.device("meta")`` did not
+    tie the embeddings, so ``lm_head.weight`` became a separate (meta) parameter."""
+    from transformers import LlamaForCausalLM
+
+    from _tiny import tiny_llama_config
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM._from_config(tiny_llama_config(tie_word_embeddings=True))
+    names = [n for n, _ in model.named_parameters()]
+    if "lm_head.weight" in names or model.lm_head.weight is not model.model.embed_tokens.weight:
+        raise AssertionError("lm_head.weight is not tied to the embedding after _from_config on meta")
+    return {"parameters": len(names)}
+
+
+def move_meta_built_model(workdir: Path) -> Dict[str, Any]:
+    """transformers#28972: a LLaVa model built on the meta device, then ``model.to(device)``."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    config = LlavaConfig(vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                        num_attention_heads=2, image_size=32, patch_size=8),
+                         text_config=LlamaConfig(**_tiny_text()))
+    with torch.device("meta"):
+        model = LlavaForConditionalGeneration(config)
+    model.to("cpu")
+    return {}
+
+
+def item_in_init_under_meta(workdir: Path) -> Dict[str, Any]:
+    """OpenGVLab/VideoMAEv2#87: remote code computes ``[x.item() for x in torch.linspace(...)]`` in
+    ``__init__``; ``from_pretrained`` builds every model on the meta device."""
+    from torch import nn
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    class ReproConfig(PretrainedConfig):
+        model_type = "videomae-v2-repro"
+
+        def __init__(self, depth: int = 3, drop_path_rate: float = 0.1, **kwargs: Any) -> None:
+            self.depth, self.drop_path_rate = depth, drop_path_rate
+            super().__init__(**kwargs)
+
+    class ReproModel(PreTrainedModel):
+        config_class = ReproConfig
+
+        def __init__(self, config: ReproConfig) -> None:
+            super().__init__(config)
+            rates = [x.item() for x in torch.linspace(0, config.drop_path_rate, config.depth)]
+            self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in rates)
+            self.post_init()
+
+        def _init_weights(self, module: Any) -> None:
+            pass
+
+    path = workdir / "videomae"
+    torch.manual_seed(0)
+    ReproModel(ReproConfig()).save_pretrained(path)
+    ReproModel.from_pretrained(path)
+    return {}
+
+
+def bloom_layers_on_disk(workdir: Path) -> Dict[str, Any]:
+    """accelerate#512: BLOOM (tied embeddings) with on-disk layers: ``KeyError`` at inference."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    config = BloomConfig(vocab_size=128, hidden_size=64, n_layer=3, n_head=4)
+    ckpt = cached(workdir, "bloom", lambda p: save_random(BloomForCausalLM, config, p))
+    reference = logits(BloomForCausalLM.from_pretrained(ckpt).eval())
+    device_map = {"transformer.word_embeddings": "disk", "transformer.word_embeddings_layernorm": "cpu",
+                  "transformer.h.0": "cpu", "transformer.h.1": "disk", "transformer.h.2": "disk",
+                  "transformer.ln_f": "cpu", "lm_head": "disk"}
+    model = BloomForCausalLM.from_pretrained(ckpt, device_map=device_map, offload_folder=offload(workdir)).eval()
+    return {"max_abs_diff": assert_matches(logits(model), reference, "BLOOM with layers on disk")}
+
+
+def t5_auto_map_tight_budget(workdir: Path) -> Dict[str, Any]:
+    """adapter-hub/adapters#470 (accelerate#958): T5's tied ``shared`` / ``embed_tokens`` / head
+    with ``device_map="auto"`` and a budget that forces a split crashed the device-map planning."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, decoder_start_token_id=0)
+    ckpt = cached(workdir, "t5", lambda p: save_random(T5ForConditionalGeneration, config, p))
+    ids, labels = input_ids(), input_ids(seed=2)[:, :4]
+    with torch.no_grad():
+        reference = T5ForConditionalGeneration.from_pretrained(ckpt).eval()(input_ids=ids, labels=labels).logits
+    model = T5ForConditionalGeneration.from_pretrained(ckpt, device_map="auto", max_memory={"cpu": 60_000},
+                                                       offload_folder=offload(workdir)).eval()
+    with torch.no_grad():
+        got = model(input_ids=ids, labels=labels).logits
+    return {"max_abs_diff": assert_matches(got, reference, "T5 with device_map='auto' and a tight budget")}
+
+
+def diffusion_gemma_auto_map(workdir: Path) -> Dict[str, Any]:
+    """transformers#46566 (seed report 000): DiffusionGemma with ``device_map="auto"`` under a
+    budget: weights left on meta, ``generate`` dies ``Tensor.item() cannot be called on meta``."""
+    from metapatch.selftest.tied_device_map import auto_map_moderate_budget
+
+    return auto_map_moderate_budget(workdir)
+
+
+def gemma4_dispatch_skip_keys(workdir: Path) -> Dict[str, Any]:
+    """transformers PR #45347: Gemma 4 under accelerate hooks; the hook's copy of the kwargs loses
+    ``shared_kv_states`` unless it is in ``skip_keys`` (``KeyError: 22``)."""
+    from metapatch.selftest.peft_offload import gemma4_dispatch_model
+
+    return gemma4_dispatch_model(workdir)
