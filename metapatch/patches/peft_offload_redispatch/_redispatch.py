@@ -85,6 +85,8 @@ def redispatch(model: Any, captured: Dict[int, Tuple[Any, Dict[str, Any]]], opti
 
     base = base_model_of(model)
     sources = _sources_by_name(model, captured)
+    if not options and _keep_current_dispatch(model, base, sources):
+        return
     _remove_hooks(model)
     device_map = new_placement(model, base, options)
     main = _main_device(device_map)
@@ -108,6 +110,48 @@ def redispatch(model: Any, captured: Dict[int, Tuple[Any, Dict[str, Any]]], opti
     # The adapter containers of offloaded layers were hooked like any module with parameters; their
     # forward may never run (IA3 reads ``ia3_l[adapter]``): they follow their base layer instead.
     follow_base_layer_hooks(model)
+
+
+def _keep_current_dispatch(model: Any, base: Any, sources: Dict[str, Any]) -> bool:
+    """No placement was asked for, and the base's hooks already serve the model as it now is: every
+    meta tensor is one an offload hook reads, every other tensor sits where the (re-keyed) map puts
+    it, or is an adapter tensor following its offloaded base layer. Then the dispatch is kept as it
+    is (no hook removed and re-attached, no weights map rebuilt: most of the cost of adding an
+    adapter to an offloaded base) and only the wrapper's ``hf_device_map`` is recorded, as
+    ``dispatch_model`` would. Anything else (a tensor outside the base on another device, a meta
+    tensor no hook knows) takes the full re-dispatch."""
+    from accelerate.utils import named_module_tensors
+
+    from metapatch._tied_groups import entry_of
+
+    device_map = new_placement(model, base, {})
+    main = _main_device(device_map)
+    offloaded_devices = {"disk"} if str(main) in ("cpu", "mps") else {"cpu", "disk"}
+    adapters = None
+    for name, tensor in named_module_tensors(model, include_buffers=True, recurse=True):
+        key = entry_of(device_map, name)  # the longest prefix, by dictionary look-ups
+        where = None if key is None else device_map[key]
+        if str(where) in offloaded_devices:
+            if tensor.device.type == "meta":
+                if name not in sources:
+                    return False
+                continue
+            adapters = _adapter_tensor_names(model) if adapters is None else adapters
+            if name not in adapters or not _same_device(tensor.device, main):
+                return False
+        elif not _same_device(tensor.device, where):
+            return False
+    model.hf_device_map = device_map  # the adapters already follow their layers' hooks (inject_adapter)
+    return True
+
+
+def _same_device(device: Any, placement: Any) -> bool:
+    import torch
+
+    wanted = torch.device("cuda", placement) if isinstance(placement, int) else torch.device(str(placement))
+    if wanted.type != "cpu" and wanted.index is None:
+        wanted = torch.device(wanted.type, 0)
+    return device == wanted
 
 
 def _remove_hooks(model: Any) -> None:
