@@ -20,6 +20,7 @@ from metapatch import diffs, registry
 from metapatch.commands.pr import reproducer_fields
 
 ROOT = Path(__file__).resolve().parents[1]
+NOT_APPLICABLE = 77  # a reproducer's exit code when the installed release lacks its model class
 REPRODUCERS = sorted((ROOT / "upstream_diffs").glob("*/reproducer.py"))
 
 
@@ -45,6 +46,8 @@ def test_reproducer_runs_alone_and_fails_where_affected(path, tmp_path):
     run = subprocess.run([sys.executable, "-I", str(path)], cwd=tmp_path, env=env, capture_output=True,
                          text=True, timeout=600)
     output = run.stdout + run.stderr
+    if run.returncode == NOT_APPLICABLE:  # the model class it needs is missing from this release
+        pytest.skip(f"{patch_id}: {output.strip()[-300:]}")
     if _needs_the_bug(patch_id, fields):
         last = output.strip().splitlines()[-1] if output.strip() else ""
         assert run.returncode != 0 and last.startswith(fields["Fails with"] + ":"), output[-3000:]

@@ -174,7 +174,10 @@ PATCH = Patch(
     upstream=Upstream(
         bug=("https://discuss.huggingface.co/t/cpu-offloading-error-scenario/175522",),
         forwarded="no",
-        note="No upstream issue found filed; bitsandbytes 0.50.2 (latest) is affected.",
+        note="No upstream issue found filed; bitsandbytes 0.50.2 (latest) is affected. The diff differs from "
+             "this patch in two ways: it frees the host copy on an ordinary move of a state in use (neither "
+             "CPU-repacked), where this patch keeps it for the state's lifetime; and it has no equivalent of "
+             "_follow_live_dtype (only bitsandbytes 0.49.x's matmul_4bit rewrites quant_state.dtype).",
     ),
     diffs=("upstream_diffs/bnb-quant-state-offload/bitsandbytes.diff",),
     selftest="metapatch.selftest.bnb_offload",
