@@ -10,9 +10,10 @@ from __future__ import annotations
 import pytest
 
 import metapatch
-from metapatch.diffs import apply_to_copy, diffs_for
 from metapatch.patches.gemma4_offloaded_embeddings import PATCH
 from metapatch.selftest import run_scenario, scenarios_for
+
+from _three_way import assert_equals_reference, upstream_diff_copy  # tests/patches/_three_way.py
 
 PATCH_ID = PATCH.id
 SCENARIOS = scenarios_for(PATCH_ID)
@@ -67,16 +68,12 @@ def test_patched(scenario):
 def transformers_with_diff(tmp_path_factory):
     if not AFFECTED:
         pytest.skip(f"not affected here: {WHY}")
-    (diff,) = diffs_for(PATCH_ID)
-    assert diff.header["Forwarded"] == "no" and diff.header["Last-Update"]
-    return str(apply_to_copy(diff, tmp_path_factory.mktemp("transformers-gemma4-offloaded-embeddings")))
+    return upstream_diff_copy(PATCH_ID, tmp_path_factory)
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
 def test_upstream_diff_alone(scenario, transformers_with_diff):
-    outcome = run_scenario(scenario, patched=False, pythonpath=[transformers_with_diff])
-    assert outcome.passed, outcome.traceback or outcome.stderr_tail
-    assert outcome.metrics["max_abs_diff"] == 0
+    assert_equals_reference(run_scenario(scenario, patched=False, pythonpath=[transformers_with_diff]))
 
 
 # -- in-process: the shared mechanism on a plain module offloaded with accelerate's own hooks ------

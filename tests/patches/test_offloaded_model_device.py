@@ -10,10 +10,11 @@ from __future__ import annotations
 import pytest
 
 import metapatch
-from metapatch.diffs import apply_to_copy, diffs_for
 from metapatch.patches.offloaded_model_device import PATCH
 from metapatch.patches.offloaded_model_device_v4 import PATCH as V4_PATCH
 from metapatch.selftest import run_scenario, scenarios_for
+
+from _three_way import assert_equals_reference, assert_upstream_error, upstream_diff_copy  # tests/patches/_three_way.py
 
 GATES = {p.id: metapatch.registry.gate(p) for p in (PATCH, V4_PATCH)}
 # The patch for the installed release line, and the one whose scenarios must report n/a here.
@@ -38,9 +39,7 @@ def test_unpatched(scenario):
     outcome = run_scenario(scenario, patched=False)
     assert outcome.states[ACTIVE.id] == "disabled"
     if AFFECTED and scenario.expected_error:
-        assert not outcome.passed, f"{scenario.key} passed unpatched on an affected install ({WHY})"
-        assert outcome.error_type == scenario.expected_error, outcome.traceback
-        assert META_ITEM_ERROR in outcome.error
+        assert_upstream_error(outcome, scenario, WHY, META_ITEM_ERROR)
     else:
         assert outcome.passed, outcome.traceback or outcome.stderr_tail
 
@@ -48,8 +47,7 @@ def test_unpatched(scenario):
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
 def test_patched(scenario):
     outcome = run_scenario(scenario, patched=True)
-    assert outcome.passed, outcome.traceback or outcome.stderr_tail
-    assert outcome.metrics["max_abs_diff"] == 0
+    assert_equals_reference(outcome)
     assert outcome.states[ACTIVE.id] == ("applied" if AFFECTED else "not-affected")
     if scenario.name == "generate-embedding-on-disk" and AFFECTED:
         # the offload hook's execution device on a machine without accelerators, for the model and its base
@@ -67,16 +65,12 @@ def transformers_with_diff(tmp_path_factory):
     if ACTIVE is V4_PATCH:
         pytest.skip("the upstream diff is written for transformers 5.x (main); 4.57 is a maintenance line whose "
                     "property has another source")
-    (diff,) = diffs_for(PATCH.id)
-    assert diff.header["Forwarded"] == "no" and diff.header["Last-Update"]
-    return str(apply_to_copy(diff, tmp_path_factory.mktemp("transformers-offloaded-model-device")))
+    return upstream_diff_copy(PATCH.id, tmp_path_factory)
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
 def test_upstream_diff_alone(scenario, transformers_with_diff):
-    outcome = run_scenario(scenario, patched=False, pythonpath=[transformers_with_diff])
-    assert outcome.passed, outcome.traceback or outcome.stderr_tail
-    assert outcome.metrics["max_abs_diff"] == 0
+    assert_equals_reference(run_scenario(scenario, patched=False, pythonpath=[transformers_with_diff]))
 
 
 # -- in-process: the property as installed in this test process --------------------------------

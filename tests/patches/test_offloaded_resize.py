@@ -7,9 +7,10 @@ import pytest
 
 import metapatch
 from metapatch import MetapatchError
-from metapatch.diffs import APPLIES, apply_to_copy, check, diffs_for
 from metapatch.patches import offloaded_resize_token_embeddings as patch_module
 from metapatch.selftest import run_scenario, scenarios_for
+
+from _three_way import assert_equals_reference, assert_upstream_error, upstream_diff_copy  # tests/patches/_three_way.py
 
 PATCH = patch_module.PATCH
 PATCH_ID = PATCH.id
@@ -31,9 +32,7 @@ def test_unpatched(scenario):
     outcome = run_scenario(scenario, patched=False)
     assert outcome.states[PATCH_ID] == "disabled"
     if AFFECTED:
-        assert not outcome.passed, f"{scenario.key} passed unpatched on an affected install ({WHY})"
-        assert outcome.error_type == scenario.expected_error, outcome.traceback or outcome.stderr_tail
-        assert UPSTREAM_ERRORS[scenario.expected_error] in outcome.error, outcome.error
+        assert_upstream_error(outcome, scenario, WHY, UPSTREAM_ERRORS[scenario.expected_error])
     else:
         assert outcome.passed, outcome.traceback or outcome.stderr_tail
 
@@ -41,21 +40,14 @@ def test_unpatched(scenario):
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
 def test_patched(scenario):
     outcome = run_scenario(scenario, patched=True)
-    assert outcome.passed, outcome.traceback or outcome.stderr_tail
-    assert outcome.metrics["max_abs_diff"] == 0
+    assert_equals_reference(outcome)
     assert outcome.metrics["tied"] is (scenario.name == "resize-offloaded-tied")
     assert outcome.states[PATCH_ID] == ("applied" if AFFECTED else "not-affected")
 
 
 @pytest.fixture(scope="module")
 def transformers_with_diff(tmp_path_factory):
-    (diff,) = diffs_for(PATCH_ID)
-    assert diff.header["Forwarded"] == "no" and diff.header["Last-Update"]
-    verdict = check(diff)
-    if verdict.verdict != APPLIES:
-        pytest.skip(f"the diff (written against transformers main, 5.24.0) does not apply to the installed "
-                    f"transformers {verdict.installed}: {verdict.verdict}")
-    return str(apply_to_copy(diff, tmp_path_factory.mktemp("offloaded-resize-token-embeddings")))
+    return upstream_diff_copy(PATCH_ID, tmp_path_factory, "written against transformers main, 5.24.0")
 
 
 def _tied_disk_pair_loads_unpatched() -> tuple:
@@ -73,9 +65,7 @@ def test_upstream_diff_alone(scenario, transformers_with_diff):
     loads, why = _tied_disk_pair_loads_unpatched()
     if scenario.name == "resize-offloaded-tied" and not loads:
         pytest.skip(why)
-    outcome = run_scenario(scenario, patched=False, pythonpath=[transformers_with_diff])
-    assert outcome.passed, outcome.traceback or outcome.stderr_tail
-    assert outcome.metrics["max_abs_diff"] == 0
+    assert_equals_reference(run_scenario(scenario, patched=False, pythonpath=[transformers_with_diff]))
 
 
 # -- in-process -------------------------------------------------------------------------------------

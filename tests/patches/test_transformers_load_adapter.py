@@ -7,9 +7,10 @@ import pytest
 
 import metapatch
 from metapatch import MetapatchError
-from metapatch.diffs import APPLIES, apply_to_copy, check, diffs_for
 from metapatch.patches import transformers_load_adapter_offload as patch_module
 from metapatch.selftest import run_scenario, scenarios_for
+
+from _three_way import assert_equals_reference, upstream_diff_copy  # tests/patches/_three_way.py
 
 PATCH = patch_module.PATCH
 PATCH_ID = PATCH.id
@@ -61,28 +62,20 @@ def test_unpatched(scenario):
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
 def test_patched(scenario):
     outcome = run_scenario(scenario, patched=True)
-    assert outcome.passed, outcome.traceback or outcome.stderr_tail
-    assert outcome.metrics["max_abs_diff"] == 0
+    assert_equals_reference(outcome)
     assert outcome.states[PATCH_ID] == ("applied" if AFFECTED else "not-affected")
 
 
 @pytest.fixture(scope="module")
 def transformers_with_diff(tmp_path_factory):
-    (diff,) = diffs_for(PATCH_ID)
-    assert diff.header["Forwarded"] == "no" and diff.header["Last-Update"]
-    verdict = check(diff)
-    if verdict.verdict != APPLIES:
-        # written against transformers main (5.24.0): 4.57 re-dispatches instead, 5.0-5.3 load differently
-        pytest.skip(f"the diff does not apply to the installed transformers {verdict.installed}: {verdict.verdict}")
-    return str(apply_to_copy(diff, tmp_path_factory.mktemp("transformers-load-adapter-offload")))
+    # written against transformers main (5.24.0): 4.57 re-dispatches instead, 5.0-5.3 load differently
+    return upstream_diff_copy(PATCH_ID, tmp_path_factory, "4.57 re-dispatches instead; 5.0-5.3 load differently")
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
 def test_upstream_diff_alone(scenario, transformers_with_diff):
     # Everything disabled, peft's own placement included: the transformers fix alone must be enough here.
-    outcome = run_scenario(scenario, patched=False, pythonpath=[transformers_with_diff])
-    assert outcome.passed, outcome.traceback or outcome.stderr_tail
-    assert outcome.metrics["max_abs_diff"] == 0
+    assert_equals_reference(run_scenario(scenario, patched=False, pythonpath=[transformers_with_diff]))
 
 
 # -- in-process -------------------------------------------------------------------------------------
