@@ -1,0 +1,140 @@
+"""accelerate-tie-before-load: three-way proof on a tied Llama built under init_empty_weights and loaded with
+load_checkpoint_and_dispatch ("auto" and a cpu+disk map) or load_checkpoint_in_model (subprocesses), plus
+in-process checks of when the wrapper ties and when it must not.
+
+Measured unpatched (ValueError "weight is on the meta device, we need a `value` to put in on cpu." with the
+explicit maps; NotImplementedError "Cannot copy out of meta tensor" with "auto"): accelerate 1.10.1 /
+transformers 4.57.6, 1.13.0 / 5.11.0, 1.15.0 / 5.24.0."""
+
+from __future__ import annotations
+
+import pytest
+
+import metapatch
+from metapatch.diffs import apply_to_copy, diffs_for
+from metapatch.patches.accelerate_tie_before_load import PATCH, tie_if_declared, untied_declared_ties
+from metapatch.selftest import run_scenario, scenarios_for
+
+AFFECTED, WHY, _, _ = metapatch.registry.gate(PATCH)
+SCENARIOS = scenarios_for(PATCH.id)
+UPSTREAM_MESSAGES = {
+    "ValueError": "weight is on the meta device, we need a `value` to put in on cpu",
+    "NotImplementedError": "Cannot copy out of meta tensor",
+}
+
+
+def test_scenarios_exist():
+    assert {s.name for s in SCENARIOS} == {"dispatch-cpu-disk-map", "dispatch-auto", "load-checkpoint-in-model",
+                                           "untied-models-unchanged"}
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
+def test_unpatched(scenario):
+    outcome = run_scenario(scenario, patched=False)
+    assert outcome.states[PATCH.id] == "disabled"
+    if AFFECTED and scenario.expected_error:
+        assert not outcome.passed, f"{scenario.key} passed unpatched on an affected install ({WHY})"
+        assert outcome.error_type == scenario.expected_error, outcome.traceback
+        assert UPSTREAM_MESSAGES[scenario.expected_error] in outcome.error
+    else:
+        assert outcome.passed, outcome.traceback or outcome.stderr_tail
+        assert outcome.metrics["head_tied"] is False
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
+def test_patched(scenario):
+    outcome = run_scenario(scenario, patched=True)
+    assert outcome.passed, outcome.traceback or outcome.stderr_tail
+    assert outcome.metrics["max_abs_diff"] == 0  # torch.equal with the in-memory model's logits
+    assert outcome.states[PATCH.id] == ("applied" if AFFECTED else "not-affected")
+    # tied exactly where the model declares it
+    assert outcome.metrics["head_tied"] is bool(scenario.expected_error)
+
+
+@pytest.fixture(scope="module")
+def accelerate_with_diff(tmp_path_factory):
+    (diff,) = diffs_for(PATCH.id)
+    assert diff.header["Forwarded"] == "no" and diff.header["Last-Update"]
+    return str(apply_to_copy(diff, tmp_path_factory.mktemp("accelerate-tie-before-load")))
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
+def test_upstream_diff_alone(scenario, accelerate_with_diff):
+    outcome = run_scenario(scenario, patched=False, pythonpath=[accelerate_with_diff])
+    assert outcome.passed, outcome.traceback or outcome.stderr_tail
+    assert outcome.metrics["max_abs_diff"] == 0
+
+
+# -- in-process: when the wrapper ties, and when it leaves the model alone -------------------------
+
+torch = pytest.importorskip("torch")
+accelerate = pytest.importorskip("accelerate")
+transformers = pytest.importorskip("transformers")
+needs_patch = pytest.mark.skipif(not AFFECTED, reason=f"patch not active here: {WHY}")
+
+
+def _empty_llama(tie: bool):
+    from accelerate import init_empty_weights
+    from transformers import LlamaForCausalLM
+
+    from metapatch.selftest._models import tiny_llama_config
+
+    with init_empty_weights():
+        return LlamaForCausalLM(tiny_llama_config(num_hidden_layers=1, tie_word_embeddings=tie))
+
+
+def test_declared_ties_of_an_empty_model():
+    model = _empty_llama(tie=True)
+    assert model.lm_head.weight is not model.model.embed_tokens.weight  # the bug's precondition
+    assert untied_declared_ties(model) == [("lm_head.weight", "model.embed_tokens.weight")]
+    assert tie_if_declared(model)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert untied_declared_ties(model) == [] and not tie_if_declared(model)  # already tied: nothing to do
+
+
+def test_models_left_alone():
+    untied = _empty_llama(tie=False)
+    assert untied_declared_ties(untied) == [] and not tie_if_declared(untied)
+    assert untied.lm_head.weight is not untied.model.embed_tokens.weight
+
+    # materialised, then untied on purpose by its user: not an empty build, so not ours to re-tie
+    from transformers import LlamaForCausalLM
+
+    from metapatch.selftest._models import tiny_llama_config
+
+    model = LlamaForCausalLM(tiny_llama_config(num_hidden_layers=1, tie_word_embeddings=True))
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    assert untied_declared_ties(model) == [] and not tie_if_declared(model)
+
+    # a plain module has no tie_weights: nothing to call
+    plain = torch.nn.Sequential(torch.nn.Linear(2, 2, device="meta"))
+    assert not tie_if_declared(plain)
+
+
+@needs_patch
+def test_wrapper_is_installed_on_every_alias():
+    import accelerate.big_modeling
+    import accelerate.utils
+    import accelerate.utils.modeling
+
+    for module, name in ((accelerate, "load_checkpoint_and_dispatch"), (accelerate, "load_checkpoint_in_model"),
+                         (accelerate.utils, "load_checkpoint_in_model"),
+                         (accelerate.big_modeling, "load_checkpoint_in_model")):
+        assert hasattr(getattr(module, name), "_self_metapatch"), f"{module.__name__}.{name} is not wrapped"
+
+
+@needs_patch
+def test_load_checkpoint_in_model_ties_in_process(tmp_path):
+    from accelerate.utils import load_checkpoint_in_model
+    from transformers import LlamaForCausalLM
+
+    from metapatch.selftest._models import input_ids, tiny_llama_config
+
+    torch.manual_seed(0)
+    reference = LlamaForCausalLM(tiny_llama_config(num_hidden_layers=1, tie_word_embeddings=True)).eval()
+    reference.save_pretrained(tmp_path)
+    model = _empty_llama(tie=True)
+    load_checkpoint_in_model(model, str(tmp_path), device_map={"": "cpu"})
+    assert model.lm_head.weight is model.model.embed_tokens.weight and not model.lm_head.weight.is_meta
+    with torch.no_grad():
+        assert torch.equal(model.eval()(input_ids()).logits, reference(input_ids()).logits)
