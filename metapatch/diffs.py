@@ -25,6 +25,9 @@ from typing import Dict, List, Optional, Tuple
 DIFFS_ROOT = Path(__file__).resolve().parent.parent / "upstream_diffs"
 DIFFS_ROOT_ENV = "METAPATCH_DIFFS_ROOT"
 DEP3_FIELDS = ("Description", "Origin", "Bug", "Forwarded", "Applied-Upstream", "Last-Update")
+# Optional, metapatch's own: the upstream release the diff was written against (a PR targets main; on
+# older releases the code around the fix may differ, see commands/diffs.judge).
+EXTRA_FIELDS = ("Author", "Reviewed-by", "Subject", "Upstream-Base")
 
 # Verdicts of check(): what the installed package says about a diff.
 APPLIES = "applies"                # the installed code still has the bug
@@ -131,7 +134,7 @@ def parse(path: Path) -> UpstreamDiff:
             body_start = i
             break
         match = re.match(r"^([A-Za-z-]+):\s?(.*)$", line.rstrip("\n"))
-        if match and match.group(1) in DEP3_FIELDS + ("Author", "Reviewed-by", "Subject"):
+        if match and match.group(1) in DEP3_FIELDS + EXTRA_FIELDS:
             current_key = match.group(1)
             header[current_key] = match.group(2).strip()
         elif current_key and line.startswith(" "):

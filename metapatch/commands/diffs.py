@@ -124,9 +124,20 @@ def _row(result: Any, patch: Any, status_row: Dict[str, Any], registry: Any, rel
     row["diff"] = relative
     row["header_missing"] = [name for name in DEP3_FIELDS if not result.diff.header.get(name)]
     row["patch_state"] = status_row["state"]
-    consistent, message = judge(result.verdict, patch, status_row, registry, result.distribution, result.installed)
+    row["base"] = result.diff.header.get("Upstream-Base") or None
+    consistent, message = judge(result.verdict, patch, status_row, registry, result.distribution, result.installed,
+                                base=row["base"])
     row["consistent"], row["message"] = consistent, message
     return row
+
+
+def _older_than(version: Optional[str], base: Optional[str]) -> bool:
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return bool(version and base) and Version(version) < Version(base)
+    except InvalidVersion:
+        return False
 
 
 def _own_range(patch: Any, distribution: str, version: Optional[str]) -> Optional[bool]:
@@ -148,8 +159,12 @@ def _own_range(patch: Any, distribution: str, version: Optional[str]) -> Optiona
 
 
 def judge(verdict: str, patch: Any, status_row: Dict[str, Any], registry: Any,
-          distribution: str, version: Optional[str]) -> "tuple[bool, str]":
-    """Does the diff's verdict agree with the patch's state? (agree, what to tell the user)."""
+          distribution: str, version: Optional[str], base: Optional[str] = None) -> "tuple[bool, str]":
+    """Does the diff's verdict agree with the patch's state? (agree, what to tell the user).
+
+    ``base``: the release the diff was written against (its ``Upstream-Base`` header). A diff is a pull
+    request against upstream's main branch; on a release older than its base the code around the
+    fix may differ, so a drifted diff there is expected, not a sign that the patch is wrong."""
     state = status_row["state"]
     # A disabled patch has no gate of its own in status(); ask the registry's gate directly.
     in_range = state in _IN_RANGE_STATES or (state == "disabled" and registry.gate(patch).affected)
@@ -175,6 +190,9 @@ def judge(verdict: str, patch: Any, status_row: Dict[str, Any], registry: Any,
     if verdict == "drifted":
         if state == "stale":
             return True, f"upstream changed the code in {label}: both {patch.id} and its diff need refreshing"
+        if in_range and _older_than(version, base):
+            return True, (f"the diff is written against {distribution} {base} (upstream main) and the code around "
+                          f"the fix differs in the older {label}, where {patch.id} is {state} and carries the fix")
         if in_range:
             return False, (f"{patch.id} is {state} for {label} but its diff does not apply there: refresh the diff "
                            f"(or, if upstream changed the code, the patch is stale: try --import-targets)")
