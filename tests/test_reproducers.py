@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from metapatch import diffs, registry
-from metapatch.commands.pr import reproducer_fields
+from metapatch.commands.pr_body import reproducer_fields
 
 ROOT = Path(__file__).resolve().parents[1]
 NOT_APPLICABLE = 77  # a reproducer's exit code when the installed release lacks its model class
