@@ -24,18 +24,10 @@ from __future__ import annotations
 import sys
 from typing import Any, Optional
 
+from .._offloaded_weights import offload_hooks
 from .._records import Patch, Target, Upstream
 
 PATCH_ID = "offloaded-model-device"
-
-
-def _offload_hooks(module: Any, hooks_module: Any) -> list:
-    hook = module.__dict__.get("_hf_hook")
-    if hook is None:
-        return []
-    chain = hook.hooks if isinstance(hook, hooks_module.SequentialHook) else (hook,)
-    return [h for h in chain
-            if isinstance(h, hooks_module.AlignDevicesHook) and h.offload and h.execution_device is not None]
 
 
 def offload_execution_device(model: Any) -> Optional[Any]:
@@ -52,7 +44,9 @@ def offload_execution_device(model: Any) -> Optional[Any]:
     # place_submodules, one of its ancestors; the nearest one is the one that loads it.
     for depth in range(len(owner_path), -1, -1):
         module = model.get_submodule(".".join(owner_path[:depth]))
-        for hook in _offload_hooks(module, hooks_module):
+        for hook in offload_hooks(module):
+            if hook.execution_device is None:
+                continue
             if depth == len(owner_path) or getattr(hook, "place_submodules", False):
                 import torch
 

@@ -22,6 +22,7 @@ import functools
 import sys
 from typing import Any, Callable, List, Optional, Tuple
 
+from metapatch._offloaded_weights import offload_hooks
 from metapatch._records import MetapatchError, Patch, Target, Upstream
 
 PATCH_ID = "offloaded-move-guard"
@@ -91,14 +92,6 @@ def _track_offload_hooks(original: Any) -> Any:
 # -- what is offloaded -------------------------------------------------------------------------
 
 
-def _offload_hooks(module: Any, hooks_module: Any) -> List[Any]:
-    hook = module.__dict__.get("_hf_hook")
-    if hook is None:
-        return []
-    chain = hook.hooks if isinstance(hook, hooks_module.SequentialHook) else (hook,)
-    return [h for h in chain if isinstance(h, hooks_module.AlignDevicesHook) and h.offload]
-
-
 def _holds_meta(module: Any, recurse: bool) -> bool:
     tensors = (module.parameters(recurse=recurse), module.buffers(recurse=recurse))
     return any(t.is_meta for group in tensors for t in group)
@@ -110,7 +103,7 @@ def _offloaded_with_meta(module: Any, hooks_module: Any) -> Optional[Any]:
     hook = module.__dict__.get("_hf_hook")
     if hook is None:
         return None
-    for offload_hook in _offload_hooks(module, hooks_module):
+    for offload_hook in offload_hooks(module):
         if _holds_meta(module, recurse=bool(getattr(offload_hook, "place_submodules", False))):
             return offload_hook
     return None

@@ -97,13 +97,17 @@ def _upstream_counts_each_tie_once() -> bool:
 
 
 @lru_cache(maxsize=None)
-def _transformers_at_least(version: str) -> bool:
+def _at_least(distribution: str, version: str) -> bool:
     # cached: reading a distribution's metadata costs more than a small model's whole map inference
     import importlib.metadata
 
     from packaging.version import Version
 
-    return Version(importlib.metadata.version("transformers")) >= Version(version)
+    return Version(importlib.metadata.version(distribution)) >= Version(version)
+
+
+def _transformers_at_least(version: str) -> bool:
+    return _at_least("transformers", version)
 
 
 def _single_disk_maps_are_dispatched() -> bool:
@@ -112,16 +116,7 @@ def _single_disk_maps_are_dispatched() -> bool:
     (``Tensor.item() cannot be called on meta tensors``); 5.13+ hand it to accelerate, which before
     1.15 refuses it ("You are trying to offload the whole model to the disk"). Neither is about ties:
     the work-around below applies to every model."""
-    return _transformers_at_least("5.13.0.dev0") and _accelerate_at_least("1.15.0.dev0")
-
-
-@lru_cache(maxsize=None)
-def _accelerate_at_least(version: str) -> bool:
-    import importlib.metadata
-
-    from packaging.version import Version
-
-    return Version(importlib.metadata.version("accelerate")) >= Version(version)
+    return _transformers_at_least("5.13.0.dev0") and _at_least("accelerate", "1.15.0.dev0")
 
 
 def _keep_one_module_on_cpu(model: Any, device_map: Dict[str, Any], groups, max_memory) -> Dict[str, Any]:

@@ -11,9 +11,10 @@ from __future__ import annotations
 import pytest
 
 import metapatch
-from metapatch.diffs import apply_to_copy, diffs_for
 from metapatch.patches.accelerate_tie_before_load import PATCH, tie_if_declared, untied_declared_ties
 from metapatch.selftest import run_scenario, scenarios_for
+
+from _three_way import assert_equals_reference, upstream_diff_copy  # tests/patches/_three_way.py
 
 AFFECTED, WHY, _, _ = metapatch.registry.gate(PATCH)
 SCENARIOS = scenarios_for(PATCH.id)
@@ -44,8 +45,7 @@ def test_unpatched(scenario):
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
 def test_patched(scenario):
     outcome = run_scenario(scenario, patched=True)
-    assert outcome.passed, outcome.traceback or outcome.stderr_tail
-    assert outcome.metrics["max_abs_diff"] == 0  # torch.equal with the in-memory model's logits
+    assert_equals_reference(outcome)  # torch.equal with the in-memory model's logits
     assert outcome.states[PATCH.id] == ("applied" if AFFECTED else "not-affected")
     # tied exactly where the model declares it
     assert outcome.metrics["head_tied"] is bool(scenario.expected_error)
@@ -53,16 +53,12 @@ def test_patched(scenario):
 
 @pytest.fixture(scope="module")
 def accelerate_with_diff(tmp_path_factory):
-    (diff,) = diffs_for(PATCH.id)
-    assert diff.header["Forwarded"] == "no" and diff.header["Last-Update"]
-    return str(apply_to_copy(diff, tmp_path_factory.mktemp("accelerate-tie-before-load")))
+    return upstream_diff_copy(PATCH.id, tmp_path_factory)
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
 def test_upstream_diff_alone(scenario, accelerate_with_diff):
-    outcome = run_scenario(scenario, patched=False, pythonpath=[accelerate_with_diff])
-    assert outcome.passed, outcome.traceback or outcome.stderr_tail
-    assert outcome.metrics["max_abs_diff"] == 0
+    assert_equals_reference(run_scenario(scenario, patched=False, pythonpath=[accelerate_with_diff]))
 
 
 # -- in-process: when the wrapper ties, and when it leaves the model alone -------------------------
