@@ -16,8 +16,9 @@ import shutil
 import subprocess
 import sys
 import threading
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, List, Mapping
+from typing import Any, Dict, Iterator, List, Mapping
 
 from . import cache_dir
 
@@ -47,8 +48,27 @@ def ensure_venv(pins: Mapping[str, str], log=None) -> Dict[str, Any]:
     Thread-safe per venv: the prefetcher may be building the one a run is waiting for."""
     with _LOCKS_GUARD:
         lock = _LOCKS.setdefault(_key(pins), threading.Lock())
-    with lock:
+    with lock, _across_processes(pins):
         return _ensure_venv(pins, log)
+
+
+@contextmanager
+def _across_processes(pins: Mapping[str, str]) -> Iterator[None]:
+    """Two surveys running at once (one per core) may need the same venv: without this the second
+    takes the first one's half-built venv for an interrupted build and deletes it."""
+    locks = cache_dir() / "venvs" / ".locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    with open(locks / _key(pins), "w") as handle:
+        try:
+            import fcntl
+        except ImportError:  # Windows: one survey at a time
+            yield
+            return
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def prefetch(all_pins: List[Mapping[str, str]], log=None) -> threading.Thread:
