@@ -209,6 +209,9 @@ class Placement:
         for key, device in self.map.items():
             self.used[device] += self.sizes.get(key, 0)
         self.moves: List[Tuple[str, str, Any, Any]] = []  # (member, anchor, from, to) for messages
+        # name -> the map key placing it. Moving a key to another device keeps every entry; only a
+        # split (new keys) empties it. A repair asks for the same members' devices thousands of times.
+        self._entries: Dict[str, Optional[str]] = {}
 
     # The indexes below are built on first use: most maps need no repair (or only a few moves), and
     # building them walks every module and parameter of the model, which would double the cost of
@@ -237,8 +240,15 @@ class Placement:
 
     # -- reading -----------------------------------------------------------------------------
 
+    def _entry(self, name: str) -> Optional[str]:
+        try:
+            return self._entries[name]
+        except KeyError:
+            key = self._entries[name] = entry_of(self.map, name)
+            return key
+
     def device(self, name: str) -> Any:
-        key = entry_of(self.map, name)
+        key = self._entry(name)
         return None if key is None else self.map[key]
 
     def violations(self) -> List[int]:
@@ -298,6 +308,7 @@ class Placement:
             else:
                 rebuilt[k] = v
         self.map = rebuilt
+        self._entries.clear()
         return True
 
     def _splittable(self, key: str) -> bool:
@@ -327,7 +338,7 @@ class Placement:
         """Move ``member`` (a non-anchor) to ``home``, refining its map entry as far as needed: whole
         entries move only when they hold nothing but tied copies, so untied neighbours stay put."""
         while True:
-            key = entry_of(self.map, member)
+            key = self._entry(member)
             if key is None or self.map[key] == home:
                 return True
             movable = self._movable(key, home) and self._fits(home, self.sizes.get(key, 0))
@@ -344,7 +355,7 @@ class Placement:
     def _isolate(self, member: str) -> str:
         """Split down to the smallest unit holding ``member`` that should not be split further."""
         while True:
-            key = entry_of(self.map, member)
+            key = self._entry(member)
             if key is None or key == member or not self._splittable(key) or not self._split(key):
                 return key
 
