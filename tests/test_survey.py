@@ -200,3 +200,16 @@ def test_static_reader_follows_a_name_the_module_imports(tmp_path, monkeypatch):
     api = importlib.import_module("mp_survey_pkg.api")
     found = static.fingerprints(lambda m: static.read_module_from_site(tmp_path, m), ["mp_survey_pkg.api:exported"])
     assert found == {"mp_survey_pkg.api:exported": fingerprint(resolve(api, "exported")[2])}
+
+
+def test_result_cache_key_covers_the_shared_helpers_a_patch_imports():
+    """A cached survey result is reused only while the code that produced it is unchanged, and a
+    patch's behaviour lives partly in the shared helpers it imports."""
+    from metapatch.survey import runner
+
+    package = Path(runner.__file__).resolve().parents[1]
+    tied = runner._shared_helpers([package / "patches" / "tied_device_map_transformers.py"])
+    peft = runner._shared_helpers(sorted((package / "patches" / "peft_offload_redispatch").glob("*.py")))
+    assert package / "_tied_groups.py" in tied
+    assert package / "_adapter_offload.py" in peft
+    assert package / "_offloaded_weights.py" not in tied

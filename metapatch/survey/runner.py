@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -140,12 +141,28 @@ def patch_source_hash(patch_id: str) -> str:
     package = REPO / "metapatch"
     stem = patch_id.replace("-", "_")
     files = sorted((package / "patches").glob(f"{stem}.py")) + sorted((package / "patches" / stem).glob("*.py"))
+    files += _shared_helpers(files)
     files += _scenario_files(patch_id) + sorted((package / "selftest").glob("_*.py"))
     files += sorted((REPO / "upstream_diffs" / patch_id).glob("*.diff"))
     for path in (f for f in files if f.is_file()):
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()[:12]
+
+
+_HELPER_IMPORT = re.compile(r"^\s*(?:from\s+(?:metapatch|\.\.)\s+import\s+(_\w+)|from\s+(?:metapatch\.|\.\.)(_\w+)\s+import)",
+                            re.M)
+
+
+def _shared_helpers(patch_files: List[Path]) -> List[Path]:
+    """The shared modules (metapatch/_tied_groups.py, _adapter_offload.py, ...) a patch imports: a
+    change there changes the patch's behaviour as much as a change in the patch itself."""
+    package = REPO / "metapatch"
+    names = set()
+    for path in patch_files:
+        for match in _HELPER_IMPORT.finditer(path.read_text() if path.is_file() else ""):
+            names.add(match.group(1) or match.group(2))
+    return [package / f"{name}.py" for name in sorted(names) if (package / f"{name}.py").is_file()]
 
 
 def run_combination(patch_id: str, pins: Mapping[str, str], timeout: float, log=None) -> Dict[str, Any]:
