@@ -5,11 +5,13 @@ where the installed versions have the bug, or passes where they do not.
 
 "Where they have the bug": the patch's affected range (`registry.gate`), or, for a reproducer
 marked ``Affected: diff``, the diff's own verdict against the installed package (``applies``: the
-bug is there). Short by design: under 60 lines."""
+bug is there), or, for ``Affected: <patch id>, <patch id>`` (the same bug patched separately in
+other releases, e.g. a 4.x twin), any of those patches' affected ranges. Short by design: under 60 lines."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +29,8 @@ REPRODUCERS = sorted((ROOT / "upstream_diffs").glob("*/reproducer.py"))
 def _needs_the_bug(patch_id: str, fields: dict) -> bool:
     if fields.get("Affected") == "diff":
         return all(diffs.check(d).verdict == diffs.APPLIES for d in diffs.diffs_for(patch_id))
+    if fields.get("Affected"):
+        return any(registry.gate(registry.patches[p]).affected for p in re.split(r"[,\s]+", fields["Affected"]) if p)
     return registry.gate(registry.patches[patch_id]).affected
 
 
