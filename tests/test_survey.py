@@ -188,6 +188,17 @@ def test_run_row_bisects_a_fix_outside_the_fingerprinted_code():
     assert [r["releases"] for r in static_table["distributions"]["pkg"]["rows"]] == [releases[:4], releases[4:]]
 
 
+def test_run_row_with_ends_newest_measures_one_release_per_variant():
+    from metapatch.survey import plan
+
+    releases = ["1.0", "1.1", "1.2"]
+    row = variants.group(releases, {v: {"t": "same"} for v in releases})[0]
+    measured = []
+    rows = plan.run_row(row, releases, lambda v: measured.append(v) or [_run("yes")], ends="newest")
+    assert measured == ["1.2"]
+    assert [(r["releases"], table.row_status(r)) for r in rows] == [(releases, table.AFFECTED)]
+
+
 def test_static_reader_follows_a_name_the_module_imports(tmp_path, monkeypatch):
     """``getattr(module, name)`` finds an imported function; the static reader must hash the same one."""
     pkg = tmp_path / "mp_survey_pkg"

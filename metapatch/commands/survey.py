@@ -35,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the table as JSON")
     parser.add_argument("--max-combos", type=int, default=2, metavar="N",
                         help="companion combinations per variant with --run (default 2: all newest, all oldest)")
+    parser.add_argument("--ends", choices=("both", "newest"), default="both",
+                        help="with --run: measure each variant's newest and oldest release (default), or only "
+                             "its newest (one release per variant: half the runs)")
     parser.add_argument("--dist", action="append", default=[], metavar="NAME",
                         help="with --run: only run the variants of this distribution (repeatable)")
     parser.add_argument("--timeout", type=float, default=300, metavar="SECONDS", help="per scenario run")
@@ -94,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
             table = plan.static_table(patch, args.refresh, args.workers, _log)
             plan.carry_runs(table, old)
             if args.run:
-                plan.run_table(table, patch, args.max_combos, args.timeout, args.dist, _log)
+                plan.run_table(table, patch, args.max_combos, args.timeout, args.dist, _log, args.ends)
             _log(f"{patch_id}: surveyed in {time.perf_counter() - started:.0f} s")
             if not args.no_write:
                 _log(f"wrote {tables.write(table)}")

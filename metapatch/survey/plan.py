@@ -18,7 +18,8 @@ from . import runner, static, table, variants
 METHOD = ("fingerprints read from each release's wheel; runs (python -m metapatch.survey.probe): 'bug' = the "
           "patch's reproducers with this patch disabled and the others as shipped, 'patched' = this patch forced on "
           "(gate open, any fingerprint accepted), 'diff' = this patch disabled and its upstream diff applied to a copy "
-          "of the installed package; measured on the newest and oldest release of each row, bisected where they differ")
+          "of the installed package; measured on the newest and oldest release of each row, bisected where they differ "
+          "(a row whose runs name only its newest release was surveyed with --ends newest: one release per variant)")
 CORE = ("transformers", "accelerate")  # every reproducer builds a transformers model and dispatches it
 
 
@@ -149,13 +150,16 @@ def _measured_row(row: Dict[str, Any], releases: List[str], runs: List[Dict[str,
     return {**row, "releases": releases, "runs": runs}
 
 
-def run_row(row: Dict[str, Any], all_releases: List[str], measure: Callable[[str], List[Dict[str, Any]]]) -> List[Dict[str, Any]]:
+def run_row(row: Dict[str, Any], all_releases: List[str], measure: Callable[[str], List[Dict[str, Any]]],
+            ends: str = "both") -> List[Dict[str, Any]]:
     """Run a row's newest and oldest release; when they disagree (the bug was fixed, or appeared,
     outside the fingerprinted code) bisect for the boundary and split the row there. Both halves
-    keep the variant id: same code, different measured behaviour."""
+    keep the variant id: same code, different measured behaviour. ``ends="newest"`` runs the newest
+    release only (one per code variant, half the runs; a fix outside the fingerprinted code then
+    goes unseen)."""
     releases = row["releases"]
     newest = measure(releases[-1])
-    if len(releases) == 1:
+    if len(releases) == 1 or ends == "newest":
         return [_measured_row(row, releases, newest)]
     oldest = measure(releases[0])
     lo, hi, at = 0, len(releases) - 1, {0: oldest, len(releases) - 1: newest}
@@ -175,14 +179,16 @@ def run_row(row: Dict[str, Any], all_releases: List[str], measure: Callable[[str
 
 
 def run_table(table_: Dict[str, Any], patch: Any, max_combos: int, timeout: float, only_dists: List[str],
-              log: Callable[[str], None] = print) -> None:
+              log: Callable[[str], None] = print, ends: str = "both") -> None:
     """Replace each row by its measured row(s) in place; cached combinations cost nothing."""
     for dist, section in table_["distributions"].items():
         if section.get("window") is None or (only_dists and dist not in only_dists):
             continue
-        estimate = sum(min(len(r["releases"]), 2) for r in section["rows"]) * max(1, max_combos)
+        per_row = 1 if ends == "newest" else 2
+        estimate = sum(min(len(r["releases"]), per_row) for r in section["rows"]) * max(1, max_combos)
         progress = rel.Progress(f"{patch.id} runs on {dist} (about {estimate})", estimate)
         measure = lambda version: _measure(patch, dist, version, max_combos, timeout, progress, log)  # noqa: E731
-        ends = [v for r in section["rows"] for v in dict.fromkeys((r["releases"][-1], r["releases"][0]))]
-        runner.prefetch([p for v in ends for p in combinations(patch, dist, v, max_combos)], log)
-        section["rows"] = [half for row in section["rows"] for half in run_row(row, section["releases"], measure)]
+        first = [v for r in section["rows"]
+                 for v in dict.fromkeys((r["releases"][-1],) + (() if ends == "newest" else (r["releases"][0],)))]
+        runner.prefetch([p for v in first for p in combinations(patch, dist, v, max_combos)], log)
+        section["rows"] = [half for row in section["rows"] for half in run_row(row, section["releases"], measure, ends)]
