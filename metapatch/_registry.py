@@ -23,9 +23,12 @@ import os
 import sys
 import threading
 from collections.abc import Mapping
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, NamedTuple
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Tuple
 
+from ._patch_loading import LazyPatches, _patch_module_names, lazy_patches, load_patches  # noqa: F401 - re-exported
 from ._records import MetapatchError, Patch, State, Target
+from ._targets import (MARKER, _code_owner, _initializing, _package, _raw, _source_object,  # noqa: F401
+                       fingerprint, replaced_by, resolve)
 
 # ast, inspect, hashlib, logging and importlib.metadata are imported where used: `import metapatch`
 # runs at the top of user scripts and must cost next to nothing.
@@ -35,10 +38,6 @@ def _logger() -> Any:
     import logging
 
     return logging.getLogger("metapatch")
-
-# The attribute that marks an installed object: (patch id, target dotted path, original object).
-# The "_self_" prefix keeps wrapt proxies from forwarding the attribute to the wrapped function.
-MARKER = "_self_metapatch"
 
 _TRUE = {"1", "true", "yes", "on"}
 
@@ -52,51 +51,6 @@ def disabled_ids() -> Tuple[bool, frozenset]:
     raw = os.environ.get("METAPATCH_DISABLE", "")
     ids = frozenset(part.strip() for part in raw.split(",") if part.strip())
     return ("all" in ids or "*" in ids), ids - {"all", "*"}
-
-
-# ---------------------------------------------------------------------------------------------
-# Source fingerprints
-
-
-def _source_object(obj: Any) -> Any:
-    """The plain function behind descriptors and wrappers, whose source we can read."""
-    for _ in range(10):
-        if isinstance(obj, (staticmethod, classmethod)):
-            obj = obj.__func__
-        elif isinstance(obj, property):
-            obj = obj.fget
-        elif hasattr(obj, "__wrapped__") and getattr(obj, MARKER, None) is not None:
-            obj = obj.__wrapped__
-        else:
-            return obj
-    return obj
-
-
-def fingerprint(obj: Any) -> str:
-    """A short hash of an object's source code that ignores formatting, comments and docstrings,
-    so upstream reformatting does not make a patch stale but any change to the logic does."""
-    import inspect
-
-    from ._fingerprints import fingerprint_source  # shared with the static reader (metapatch survey)
-
-    return fingerprint_source(inspect.getsource(_source_object(obj)))
-
-
-def resolve(module: Any, qualname: str) -> Tuple[Any, str, Any]:
-    """(parent object, attribute name, raw object as stored on the parent).
-
-    For class attributes the raw object comes from the class ``__dict__`` (so a staticmethod is
-    restored as the very same staticmethod), and it must be defined on that class itself:
-    patching an inherited method through a subclass would change the wrong class."""
-    *parents, attr = qualname.split(".")
-    parent = module
-    for name in parents:
-        parent = getattr(parent, name)
-    if isinstance(parent, type):
-        if attr not in vars(parent):
-            raise AttributeError(f"{parent.__qualname__} defines no attribute {attr!r} itself")
-        return parent, attr, vars(parent)[attr]
-    return parent, attr, getattr(parent, attr)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,65 +79,6 @@ class _Status:
         self.notes: List[str] = []
         # (verdict, why, versions), verdict None when affected: see Registry._verdict
         self.gate: Optional[Tuple[Optional[State], str, Dict[str, Optional[str]]]] = None
-
-
-# Packages whose decorators legitimately wrap upstream functions at definition time
-# (``@torch.no_grad()``, ``@functools.lru_cache``): such a wrapper is not another library's patch.
-_DECORATOR_PACKAGES = frozenset({"functools", "contextlib", "typing", "typing_extensions", "torch", "abc"})
-
-
-def _package(module_name: Optional[str]) -> str:
-    return (module_name or "").partition(".")[0]
-
-
-def _code_owner(obj: Any) -> Optional[str]:
-    """The module whose code defines ``obj`` (a function's globals, else its ``__module__``)."""
-    globals_ = getattr(obj, "__globals__", None)
-    if isinstance(globals_, dict) and isinstance(globals_.get("__name__"), str):
-        return globals_["__name__"]
-    owner = getattr(obj, "__module__", None)
-    return owner if isinstance(owner, str) else None
-
-
-def replaced_by(module: Any, target: Target, raw: Any = None) -> Optional[str]:
-    """The module of another library that replaced or wrapped ``target``, or None.
-
-    A class on the qualname path defined elsewhere (``modeling_llama.LlamaRMSNorm =
-    LigerRMSNorm``), a function whose code lives in another package (``unsloth``), a
-    ``functools.wraps`` or wrapt wrapper from another package: all of these are someone else's
-    patch, which metapatch must neither wrap nor call ``stale``."""
-    parent = module
-    for name in target.qualname.split(".")[:-1]:
-        parent = getattr(parent, name, None)
-        if isinstance(parent, type) and _package(parent.__module__) != _package(target.module):
-            return parent.__module__
-    if raw is None:
-        return None
-    obj = _source_object(raw) if getattr(raw, MARKER, None) is None else raw
-    if getattr(obj, MARKER, None) is not None:
-        return None  # metapatch's own (an earlier registry); adopted elsewhere
-    wrapper = getattr(obj, "_self_wrapper", None)  # a wrapt FunctionWrapper (its type's __module__ is "builtins")
-    if wrapper is not None and hasattr(obj, "__wrapped__"):
-        owner = _code_owner(wrapper)
-        return owner if owner and _package(owner) != _package(target.module) else None
-    chain = [obj]
-    while hasattr(chain[-1], "__wrapped__") and len(chain) < 10:
-        chain.append(chain[-1].__wrapped__)
-    owners = [_code_owner(level) for level in chain]
-    outer = owners[0]
-    if outer is None or _package(outer) == _package(target.module):
-        return None
-    if _package(outer) in _DECORATOR_PACKAGES and any(_package(o) == _package(target.module) for o in owners[1:]):
-        return None  # upstream's own function under a torch/functools decorator
-    return outer
-
-
-def _initializing(module: Any) -> bool:
-    return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
-
-
-def _raw(parent: Any, attr: str) -> Any:
-    return vars(parent).get(attr) if isinstance(parent, type) else getattr(parent, attr, None)
 
 
 class _Planned:
@@ -633,92 +528,3 @@ def _namespace(module: Any) -> Dict[str, Any]:
     except TypeError:
         return {}
     return namespace if isinstance(namespace, dict) else {}
-
-
-def load_patches(package: str = "metapatch.patches") -> List[Patch]:
-    """Every ``PATCH`` record in the modules of ``package``, in file-name order."""
-    import importlib
-
-    pkg = importlib.import_module(package)
-    records = []
-    for name in _patch_module_names(pkg):
-        module = importlib.import_module(f"{package}.{name}")
-        patch = getattr(module, "PATCH", None)
-        if isinstance(patch, Patch):
-            records.append(patch)
-    return records
-
-
-def _patch_module_names(pkg: Any) -> List[str]:
-    # A patch is a module (``name.py``) or, once it grows, a package of small modules (``name/``).
-    return sorted({entry[:-3] if entry.endswith(".py") else entry
-                   for folder in pkg.__path__ for entry in os.listdir(folder)
-                   if not entry.startswith("_") and (entry.endswith(".py")
-                                                     or os.path.isfile(os.path.join(folder, entry, "__init__.py")))})
-
-
-class LazyPatches(Mapping):
-    """Patch records by id, each patch module imported only when its record is first needed.
-
-    Built from the package's ``INDEX`` (``{patch id: (module, target modules)}``): the registry
-    registers import hooks from the index alone, so ``import metapatch`` imports no patch module;
-    a target's import (or ``status()``) loads the record. Modules the index does not name are
-    loaded at once, so a forgotten entry costs import time, never a patch."""
-
-    def __init__(self, package: str, index: Dict[str, Tuple[str, Tuple[str, ...]]],
-                 eager: Iterable[Tuple[str, Patch]] = ()):
-        self._package = package
-        self._index = dict(index)
-        self._records: Dict[str, Patch] = {}
-        module_of = {pid: entry[0] for pid, entry in self._index.items()}
-        for module_name, patch in eager:  # (module name, record) of modules the index misses
-            if patch.id in self._records or patch.id in self._index:
-                raise ValueError(f"two patches share the id {patch.id!r}")
-            self._records[patch.id] = patch
-            module_of[patch.id] = module_name
-        # file-name order, as load_patches
-        self._order = sorted(set(self._index) | set(self._records), key=lambda pid: (module_of.get(pid, ""), pid))
-
-    def modules_of(self, patch_id: str) -> Tuple[str, ...]:
-        record = self._records.get(patch_id)
-        return record.modules if record is not None else tuple(self._index[patch_id][1])
-
-    def __getitem__(self, patch_id: str) -> Patch:
-        record = self._records.get(patch_id)
-        if record is None:
-            module_name, targets = self._index[patch_id]  # KeyError for an unknown id, as a dict
-            import importlib
-
-            record = getattr(importlib.import_module(f"{self._package}.{module_name}"), "PATCH", None)
-            if not isinstance(record, Patch) or record.id != patch_id:
-                raise RuntimeError(f"{self._package}.INDEX[{patch_id!r}] does not match {self._package}.{module_name}"
-                                   f".PATCH ({record!r}); update the index (tests/test_registry.py prints it)")
-            # (Target modules that differ from the index: the record wins; the registry hooks the
-            # record's modules when it applies it. tests/test_registry.py keeps the two equal.)
-            self._records[patch_id] = record
-        return record
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._order)
-
-    def __len__(self) -> int:
-        return len(self._order)
-
-
-def lazy_patches(package: str = "metapatch.patches") -> LazyPatches:
-    """:func:`load_patches`, but patch modules listed in the package's ``INDEX`` load on demand."""
-    import importlib
-
-    pkg = importlib.import_module(package)
-    names = _patch_module_names(pkg)
-    index = {pid: (module, tuple(targets)) for pid, (module, targets) in getattr(pkg, "INDEX", {}).items()
-             if module in names}  # an entry whose module was removed is ignored
-    indexed = {module for module, _ in index.values()}
-    eager = []
-    for name in names:
-        if name in indexed:
-            continue
-        patch = getattr(importlib.import_module(f"{package}.{name}"), "PATCH", None)
-        if isinstance(patch, Patch):
-            eager.append((name, patch))
-    return LazyPatches(package, index, eager)
