@@ -1,9 +1,20 @@
-"""Upstream's own tests, from the released sdists of the installed versions, give the same
-pass/fail/skip set with metapatch active as without it (issue 7).
+"""Upstream's own tests, from the released sdists of the installed versions, run without and with
+metapatch (issues 7 and 15).
 
-accelerate: tests/test_big_modeling.py, test_hooks.py, test_modeling_utils.py, test_offload.py.
-peft: the offload tests (TestOffloadSave in tests/test_gpu_examples.py; they need an accelerator and
-the hub, so on CPU machines both runs skip them alike - the comparison still guards collection).
+accelerate: tests/test_big_modeling.py, test_hooks.py, test_modeling_utils.py, test_offload.py give
+the same pass/fail/skip set with metapatch active as without it.
+
+peft: its offload tests (TestOffloadSave in tests/test_gpu_examples.py) need an accelerator, the hub
+and `datasets`, so run as they are they would skip (or fail to collect) in both runs and prove
+nothing. tests/_peft_offload_suite.py generates, into tmp_path, a CPU-runnable copy of them from the
+installed peft's sdist (tiny local GPT-2/OPT checkpoints, memory limits rescaled to them; the rewrite
+is listed there). Both runs use peft's own markers and filterwarnings (copied from its pyproject,
+without its pytest-cov addopts) and `-W ignore::FutureWarning`: peft's filterwarnings turns
+transformers' FutureWarnings into errors, and transformers 5.24 raises one from peft's own code
+(`is_gradient_checkpointing` is deprecated), which would fail every test in both runs. Without metapatch:
+METAPATCH_DISABLE=all, metapatch neither on PYTHONPATH nor loaded as a plugin (the run's conftest
+records that it was not imported). With metapatch every CPU-runnable offload test must pass; tests
+that fail without it and pass with it are printed as the evidence. `pytest -s` shows the counts.
 
 Needs PyPI for the sdists; without it the test is skipped with that reason.
 """
@@ -11,6 +22,7 @@ Needs PyPI for the sdists; without it the test is skipped with that reason.
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import subprocess
 import sys
@@ -20,11 +32,12 @@ from pathlib import Path
 
 import pytest
 
+REPO = Path(__file__).resolve().parents[1]
 SUITES = {
     "accelerate": ["tests/test_big_modeling.py", "tests/test_hooks.py", "tests/test_modeling_utils.py",
                    "tests/test_offload.py"],
-    "peft": ["tests/test_gpu_examples.py::TestOffloadSave"],
-}
+}  # peft: test_peft_offload_tests_pass_with_metapatch, on a generated CPU copy
+OUTCOMES = ("passed", "failed", "skipped")
 
 
 @pytest.fixture(scope="session")
@@ -46,7 +59,7 @@ def sdist_root(tmp_path_factory):
 
 def _outcomes(root: Path, tests: list, *, with_metapatch: bool, report: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("METAPATCH_")}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(REPO))
     if not with_metapatch:
         env["METAPATCH_DISABLE"] = "all"
     else:
@@ -56,12 +69,24 @@ def _outcomes(root: Path, tests: list, *, with_metapatch: bool, report: Path) ->
                     "-o", "addopts=", f"--junitxml={report}", *tests],
                    cwd=root, env=env, capture_output=True, text=True, timeout=1200)
     assert report.exists(), f"pytest wrote no report for {tests}"
-    outcomes = {}
+    return {key: outcome for key, (outcome, _) in _read_report(report).items()}
+
+
+def _read_report(report: Path) -> dict:
+    """test id -> (outcome, first line of the failure or skip message) from a junit xml report."""
+    results = {}
     for case in ET.parse(report).getroot().iter("testcase"):
         key = f"{case.get('classname')}::{case.get('name')}"
-        kinds = {child.tag for child in case}
-        outcomes[key] = ("failed" if kinds & {"failure", "error"} else "skipped" if "skipped" in kinds else "passed")
-    return outcomes
+        kinds = {child.tag: child for child in case}
+        found = next((kinds[k] for k in ("failure", "error", "skipped") if k in kinds), None)
+        outcome = "passed" if found is None else "skipped" if found.tag == "skipped" else "failed"
+        message = ((found.get("message") or "").strip().splitlines() or [""])[0][:300] if found is not None else ""
+        results[key] = (outcome, message)
+    return results
+
+
+def _counts(outcomes: dict) -> dict:
+    return {o: list(outcomes.values()).count(o) for o in OUTCOMES}
 
 
 @pytest.mark.parametrize("dist", list(SUITES))
@@ -71,7 +96,61 @@ def test_upstream_suite_unchanged_by_metapatch(dist, sdist_root, tmp_path):
     with_ = _outcomes(root, SUITES[dist], with_metapatch=True, report=tmp_path / "with.xml")
     assert without, f"no {dist} tests were collected"
     changed = {k: (without.get(k), with_.get(k)) for k in set(without) | set(with_) if without.get(k) != with_.get(k)}
-    counts = {name: {o: list(d.values()).count(o) for o in ("passed", "failed", "skipped")}
-              for name, d in (("without", without), ("with", with_))}
+    counts = {name: _counts(d) for name, d in (("without", without), ("with", with_))}
     print(f"{dist} {importlib.metadata.version(dist)}: {counts}")
     assert not changed, f"metapatch changed upstream {dist} outcomes (without -> with): {changed}"
+
+
+def _run_peft_suite(suite, *, with_metapatch: bool, out: Path) -> tuple:
+    """(test id -> (outcome, message), {"imported": bool, "applied": [...]}) for one run."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("METAPATCH_") and k != "PYTHONPATH"}
+    state, report = out.with_suffix(".json"), out.with_suffix(".xml")
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PEFT_OFFLOAD_SUITE_STATE=str(state))
+    plugin = []
+    if with_metapatch:
+        env.update(PYTHONPATH=str(REPO), METAPATCH_STRICT=os.environ.get("METAPATCH_STRICT", ""))
+        plugin = ["-p", "metapatch"]
+    else:
+        env["METAPATCH_DISABLE"] = "all"
+    folder = suite.path.parent
+    # The folder's pytest.ini carries peft's markers and filterwarnings; FutureWarning: see the docstring.
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", *plugin, "-p", "no:cacheprovider",
+                           "--rootdir", str(folder), "-W", "ignore::FutureWarning", f"--junitxml={report}",
+                           suite.path.name], cwd=folder, env=env, capture_output=True, text=True, timeout=600)
+    assert report.exists() and state.exists(), \
+        f"the generated peft suite did not run:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    results = {key.rsplit(".", 1)[-1]: value for key, value in _read_report(report).items()}
+    return results, json.loads(state.read_text())
+
+
+def test_peft_offload_tests_pass_with_metapatch(sdist_root, tmp_path):
+    from _peft_offload_suite import build_suite, save_tiny_checkpoints  # tests/_peft_offload_suite.py
+
+    version = importlib.metadata.version("peft")
+    root = sdist_root("peft")
+    suite = build_suite(root, tmp_path / "suite", save_tiny_checkpoints(tmp_path / "models"), version)
+    without, without_state = _run_peft_suite(suite, with_metapatch=False, out=tmp_path / "without")
+    with_, with_state = _run_peft_suite(suite, with_metapatch=True, out=tmp_path / "with")
+
+    fixed = sorted(k for k in with_ if with_[k][0] == "passed" and without.get(k, ("",))[0] != "passed")
+    broken = sorted(k for k in with_ if with_[k][0] != "passed" and without.get(k, ("",))[0] == "passed")
+    counts = {"without": _counts({k: v[0] for k, v in without.items()}),
+              "with": _counts({k: v[0] for k, v in with_.items()})}
+    summary = "\n".join([
+        f"peft {version} offload tests (CPU copy of {suite.source_class}): {counts}",
+        *(f"  {name}: without {without.get(name, ('missing',))[0]}, with {with_.get(name, ('missing',))[0]}"
+          + (f" ({without[name][1]})" if without.get(name, ("",))[0] == "failed" else "") for name in suite.tests),
+        *(f"  unexpected report entry: {name}: {outcome} {message}" for run in (without, with_)
+          for name, (outcome, message) in run.items() if name not in suite.tests),
+        f"  fixed by metapatch (fail without, pass with): {fixed or 'none'}",
+        f"  patches applied in the metapatch run: {', '.join(with_state['applied']) or 'none'}",
+        *(f"  not CPU-runnable: {name}: {why}" for name, why in suite.left_out.items()),
+        *(f"  rewrite: {note}" for note in suite.notes),
+    ])
+    print(summary)
+    assert not without_state["imported"], f"metapatch was imported in the run without it\n{summary}"
+    assert with_state["imported"], f"metapatch was not imported in the run with it\n{summary}"
+    assert sorted(without) == sorted(with_) == sorted(suite.tests), f"collected tests differ\n{summary}"
+    failing = {k: v for k, v in with_.items() if v[0] != "passed"}
+    assert not failing, (f"peft offload tests that do not pass with metapatch: {failing}; "
+                         f"passed without it, fail with it: {broken or 'none'}\n{summary}")
