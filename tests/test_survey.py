@@ -224,3 +224,18 @@ def test_result_cache_key_covers_the_shared_helpers_a_patch_imports():
     assert package / "_tied_groups.py" in tied
     assert package / "_adapter_offload.py" in peft
     assert package / "_offloaded_weights.py" not in tied
+
+
+def test_companions_are_pinned_inside_the_patchs_affected_range(monkeypatch):
+    """accelerate-dispatch-skip-keys needs transformers 5.6-5.22: its accelerate releases are measured
+    with transformers from that range, never with the newest (fixed) or oldest (unaffected) one."""
+    from metapatch.survey import plan
+    from metapatch.survey import releases as rel
+
+    window = {"transformers": ["4.57.1", "5.5.0", "5.6.0", "5.22.2", "5.23.0", "5.24.0"],
+              "accelerate": ["1.10.0", "1.15.0"], "peft": ["0.17.0", "0.21.2"], "bitsandbytes": ["0.46.0", "0.50.2"]}
+    monkeypatch.setattr(rel, "releases_in_window", lambda dist, *a, **k: window[dist])
+    patch = metapatch.registry.patches["accelerate-dispatch-skip-keys"]
+    pins = plan.combinations(patch, "accelerate", "1.12.0", 2)
+    assert [p["transformers"] for p in pins] == ["5.22.2", "5.6.0"]
+    assert all(p["accelerate"] == "1.12.0" for p in pins)

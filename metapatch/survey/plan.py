@@ -122,10 +122,25 @@ def carry_runs(new: Dict[str, Any], old: Optional[Dict[str, Any]]) -> None:
         section["rows"] = rows
 
 
+def companion_releases(patch: Any, dist: str) -> List[str]:
+    """The releases of a companion distribution to pin: those inside the patch's own ``affects``
+    range for it when it declares one (a bug that needs transformers 5.6-5.22 is not measured on
+    an accelerate release by pairing it with transformers 5.24), else the whole window."""
+    from packaging.specifiers import SpecifierSet
+
+    releases = rel.releases_in_window(dist)
+    spec = patch.affects.get(dist)
+    if spec:
+        inside = [v for v in releases if SpecifierSet(spec).contains(v, prereleases=True)]
+        return inside or releases
+    return releases
+
+
 def combinations(patch: Any, dist: str, version: str, max_combos: int) -> List[Dict[str, str]]:
-    """Pins for one release of a variant: companions all newest, all oldest, then mixed."""
+    """Pins for one release of a variant: companions all newest, all oldest, then mixed (newest and
+    oldest inside the patch's affected range of each companion, where it declares one)."""
     companions = [d for d in related_dists(patch) if d != dist]
-    ends = {d: (rel.releases_in_window(d)[-1], rel.releases_in_window(d)[0]) for d in companions}
+    ends = {d: (companion_releases(patch, d)[-1], companion_releases(patch, d)[0]) for d in companions}
     order = [tuple(0 for _ in companions), tuple(1 for _ in companions)]
     order += [c for c in product((0, 1), repeat=len(companions)) if c not in order]
     combos = []
