@@ -6,6 +6,11 @@ Diff paths are relative to the upstream repository root (``src/accelerate/hooks.
 package's own directory can be applied to an installed copy, the rest (upstream's tests) belong to
 the repository.
 
+A patch has one diff per package, ``<id>/<package>.diff``, or an ordered series of them, one pull
+request each, ``<id>/<package>-<N>-<slug>.diff`` (N = 1, 2, ...): diff N is written on top of diffs
+1..N-1. "The patch's diff" for a package is then the whole series: :func:`apply_to_copy` applies it
+in order, and :func:`check` checks diff N on top of the ones before it.
+
 The folder of diffs is ``upstream_diffs/`` next to the ``metapatch`` package; the environment
 variable ``METAPATCH_DIFFS_ROOT`` points it elsewhere (the tests use it for synthetic fixtures).
 Nothing here touches an installed package: checks run on temporary copies of the touched files.
@@ -20,7 +25,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 DIFFS_ROOT = Path(__file__).resolve().parent.parent / "upstream_diffs"
 DIFFS_ROOT_ENV = "METAPATCH_DIFFS_ROOT"
@@ -64,9 +69,10 @@ class FileSection:
 class UpstreamDiff:
     path: Path
     patch_id: str
-    package: str  # import name == the diff's file stem
+    package: str  # import name: the diff's file stem, or its part before "-<N>-" in a series
     header: Dict[str, str]
     sections: List[FileSection] = field(default_factory=list)
+    series_index: Optional[int] = None  # N of ``<package>-<N>-<slug>.diff``; None for ``<package>.diff``
 
     def package_sections(self) -> List[FileSection]:
         return [s for s in self.sections if _package_relative(s.path, self.package) is not None]
@@ -90,6 +96,42 @@ class UpstreamDiff:
 
 # Packages that live in a sub-folder of their upstream repository: gguf is llama.cpp's gguf-py/gguf/.
 PACKAGE_FOLDERS = {"gguf": "gguf-py/"}
+
+
+# ``peft-2-keep-placement`` -> ("peft", 2); import names have no "-", so the first one ends the package.
+_SERIES_STEM = re.compile(r"^(?P<package>[A-Za-z_][A-Za-z0-9_]*)-(?P<index>[0-9]+)(?:-[A-Za-z0-9_.-]+)?$")
+
+
+def name_parts(path: "Path | str") -> Tuple[str, Optional[int]]:
+    """(package, position in its series or None) from a diff's file name."""
+    stem = Path(path).stem
+    match = _SERIES_STEM.match(stem)
+    return (match.group("package"), int(match.group("index"))) if match else (stem, None)
+
+
+def _order(diff: "UpstreamDiff") -> Tuple[str, int, str]:
+    return diff.package, diff.series_index or 0, diff.path.name
+
+
+def series_of(diffs: Iterable["UpstreamDiff"]) -> List[List["UpstreamDiff"]]:
+    """The diffs grouped by package, each group in series order (a plain ``<package>.diff`` is a
+    series of one); groups sorted by package."""
+    groups: Dict[str, List[UpstreamDiff]] = {}
+    for diff in sorted(diffs, key=_order):
+        groups.setdefault(diff.package, []).append(diff)
+    return list(groups.values())
+
+
+def series_problem(series: Sequence["UpstreamDiff"]) -> Optional[str]:
+    """Why a package's diffs do not form a series 1..M (None: they do)."""
+    if len(series) == 1 and series[0].series_index in (None, 1):
+        return None
+    numbers = [d.series_index for d in series]
+    if None in numbers or numbers != list(range(1, len(series) + 1)):
+        names = ", ".join(d.path.name for d in series)
+        return (f"the {series[0].package} diffs ({names}) are not a series numbered 1..{len(series)}: name them "
+                f"{series[0].package}-1-<what>.diff, {series[0].package}-2-<what>.diff, ...")
+    return None
 
 
 def _package_relative(path: str, package: str) -> Optional[str]:
@@ -153,16 +195,18 @@ def parse(path: Path) -> UpstreamDiff:
             target = target[2:] if target and target.startswith("a/") else target
         if target:
             sections.append(FileSection(target[2:] if target.startswith("b/") else target, "".join(chunk)))
-    return UpstreamDiff(path, path.parent.name, path.stem, header, sections)
+    package, index = name_parts(path)
+    return UpstreamDiff(path, path.parent.name, package, header, sections, index)
 
 
 def diffs_for(patch_id: str) -> List[UpstreamDiff]:
+    """The patch's diffs in the diffs folder, by package and in series order."""
     folder = diffs_root() / patch_id
-    return [parse(p) for p in sorted(folder.glob("*.diff"))] if folder.is_dir() else []
+    return sorted((parse(p) for p in folder.glob("*.diff")), key=_order) if folder.is_dir() else []
 
 
 def all_diff_paths() -> List[Path]:
-    """Every ``<patch-id>/<package>.diff`` under the diffs root."""
+    """Every ``<patch-id>/<package>[-<N>-<slug>].diff`` under the diffs root."""
     root = diffs_root()
     return sorted(root.glob("*/*.diff")) if root.is_dir() else []
 
@@ -220,15 +264,20 @@ def _as_package_relative(diff: UpstreamDiff) -> str:
     return "".join(_rewrite_section(section, diff.package) for section in diff.package_sections())
 
 
-def apply_to_copy(diff: UpstreamDiff, dest: Path) -> Path:
-    """Copy the installed package into ``dest`` and apply the diff's package sections there.
-    Returns ``dest``, to put first on ``PYTHONPATH``. Raises with patch's output if any hunk fails."""
-    source = installed_package_dir(diff.package)
+def apply_to_copy(diffs: Union[UpstreamDiff, Iterable[UpstreamDiff]], dest: Path) -> Path:
+    """Copy each installed package the diff(s) touch into ``dest`` and apply their package sections
+    there, a series in order (diff N on top of 1..N-1). Returns ``dest``, to put first on
+    ``PYTHONPATH``. Raises with patch's output if any hunk fails."""
     dest.mkdir(parents=True, exist_ok=True)
-    shutil.copytree(source, dest / diff.package, ignore=shutil.ignore_patterns("__pycache__"))
-    result = _run_patch(_as_package_relative(diff), dest)
-    if result.returncode != 0:
-        raise RuntimeError(f"{diff.path} does not apply to the installed {diff.package}:\n{result.stdout}{result.stderr}")
+    for series in series_of([diffs] if isinstance(diffs, UpstreamDiff) else diffs):
+        package = series[0].package
+        shutil.copytree(installed_package_dir(package), dest / package, ignore=shutil.ignore_patterns("__pycache__"))
+        for position, diff in enumerate(series, 1):
+            result = _run_patch(_as_package_relative(diff), dest)
+            if result.returncode != 0:
+                on_top = f" (on top of the {position - 1} diff(s) before it in its series)" if position > 1 else ""
+                raise RuntimeError(f"{diff.path} does not apply to the installed {package}{on_top}:\n"
+                                   f"{result.stdout}{result.stderr}")
     return dest
 
 
@@ -266,7 +315,7 @@ class DiffCheck:
     detail: str = ""
 
     def to_dict(self) -> dict:
-        return {"patch_id": self.diff.patch_id, "package": self.diff.package,
+        return {"patch_id": self.diff.patch_id, "package": self.diff.package, "series_index": self.diff.series_index,
                 "distribution": self.distribution, "installed": self.installed,
                 "verdict": self.verdict, "detail": self.detail,
                 "files": [f.to_dict() for f in self.files]}
@@ -286,10 +335,14 @@ def _notes(output: str) -> List[str]:
             for m in _SUCCEEDED.finditer(output)]
 
 
-def _check_section(section: FileSection, package: str, package_dir: Path) -> FileCheck:
+def _check_section(section: FileSection, package: str, package_dir: Path,
+                   earlier: Sequence[Tuple[Optional[int], FileSection]] = ()) -> FileCheck:
+    """``earlier``: (series number, section) of the same file in the diffs before this one in its
+    series, applied to the copy first (one that does not apply, e.g. already upstream, is left out,
+    with a note)."""
     rel = _package_relative(section.path, package)
     installed_file = package_dir / rel.split("/", 1)[1]
-    if not installed_file.is_file() and not section.creates:
+    if not installed_file.is_file() and not section.creates and not any(e.creates for _, e in earlier):
         return FileCheck(section.path, "missing",
                          failed_hunks=[HunkFailure(n, h) for n, h in enumerate(section.hunks(), 1)],
                          notes=[f"{installed_file} does not exist in the installed package"])
@@ -299,13 +352,25 @@ def _check_section(section: FileSection, package: str, package_dir: Path) -> Fil
         copy.parent.mkdir(parents=True, exist_ok=True)
         if installed_file.is_file():
             shutil.copyfile(installed_file, copy)
+        base_notes = []
+        for number, previous in earlier:
+            previous_text = _rewrite_section(previous, package)
+            # all or nothing: a partly applied earlier diff would make this one's verdict meaningless
+            if _run_patch(previous_text, Path(tmp), dry_run=True).returncode == 0:
+                _run_patch(previous_text, Path(tmp))
+            else:
+                there = _run_patch(previous_text, Path(tmp), reverse=True, dry_run=True).returncode == 0
+                base_notes.append(f"diff {number} of the series is " + ("already in this file" if there else
+                                  "not applicable to this file (drifted)") + ": checked on top of the file without it")
         forward = _run_patch(text, Path(tmp), dry_run=True)
         backward = _run_patch(text, Path(tmp), reverse=True, dry_run=True)
         if forward.returncode == 0 and (backward.returncode != 0 or _fuzz(forward.stdout) <= _fuzz(backward.stdout)):
-            return FileCheck(section.path, "applies", notes=_notes(forward.stdout))
+            return FileCheck(section.path, "applies", notes=base_notes + _notes(forward.stdout))
         if backward.returncode == 0:
-            return FileCheck(section.path, "reversed", notes=_notes(backward.stdout))
-        return _diagnose_hunks(section, text, Path(tmp))
+            return FileCheck(section.path, "reversed", notes=base_notes + _notes(backward.stdout))
+        checked = _diagnose_hunks(section, text, Path(tmp))
+        checked.notes = base_notes + checked.notes
+        return checked
 
 
 def _diagnose_hunks(section: FileSection, text: str, directory: Path) -> FileCheck:
@@ -330,8 +395,9 @@ def _diagnose_hunks(section: FileSection, text: str, directory: Path) -> FileChe
     return FileCheck(section.path, "failed", failed_hunks=failed, reversed_hunks=already, notes=[note])
 
 
-def check(diff: UpstreamDiff) -> DiffCheck:
-    """Compare ``diff`` with the installed package (on temporary copies of the touched files).
+def check(diff: UpstreamDiff, previous: Sequence[UpstreamDiff] = ()) -> DiffCheck:
+    """Compare ``diff`` with the installed package (on temporary copies of the touched files); for
+    diff N of a series, ``previous`` are diffs 1..N-1, applied to the copies first.
 
     ``applies``: every package file takes the diff forwards (the bug is present);
     ``fixed-upstream``: every one takes it in reverse (the installed code already has the fix);
@@ -349,14 +415,27 @@ def check(diff: UpstreamDiff) -> DiffCheck:
         return DiffCheck(diff, INVALID, distribution, version,
                          detail=f"no section touches {diff.package}'s own files (src/{diff.package}/ or "
                                 f"{diff.package}/); sections: {paths}")
-    files = [_check_section(section, diff.package, package_dir) for section in sections]
+    earlier = {s.path: [] for s in sections}
+    for earlier_diff in previous:
+        for section in earlier_diff.package_sections():
+            if section.path in earlier:
+                earlier[section.path].append((earlier_diff.series_index, section))
+    files = [_check_section(section, diff.package, package_dir, earlier[section.path]) for section in sections]
     results = {f.result for f in files}
     label = f"{distribution} {version or '(unknown version)'}"
     if results == {"applies"}:
-        return DiffCheck(diff, APPLIES, distribution, version, files, f"applies to the installed {label}: the bug is present")
+        on_top = (f" on top of diff {len(previous)} of its series" if len(previous) == 1 else
+                  f" on top of diffs 1..{len(previous)} of its series" if previous else "")
+        return DiffCheck(diff, APPLIES, distribution, version, files,
+                         f"applies to the installed {label}{on_top}: the bug is present")
     if results == {"reversed"}:
         return DiffCheck(diff, FIXED_UPSTREAM, distribution, version, files,
                          f"applies in reverse to the installed {label}: fixed upstream")
     bad = [f.path for f in files if f.result not in ("applies",)]
     return DiffCheck(diff, DRIFTED, distribution, version, files,
                      f"does not apply to the installed {label} in either direction ({', '.join(bad)})")
+
+
+def check_series(series: Sequence[UpstreamDiff]) -> List[DiffCheck]:
+    """One check per diff of a series (one package's diffs, in order): diff N on top of 1..N-1."""
+    return [check(diff, previous=series[:n]) for n, diff in enumerate(series)]

@@ -374,3 +374,75 @@ def test_real_upstream_diffs_agree_with_metapatch_status():
             problems.append(f"{row['diff']}: DEP-3 header lacks {', '.join(row['header_missing'])}")
     assert not problems, "\n".join(problems)
     assert report["ok"] is True and code == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# A series of diffs for one package: <package>-1-<what>.diff, <package>-2-<what>.diff, ... (one
+# pull request each, diff N written on top of 1..N-1)
+
+SECOND = FIXED.replace('    return "unchanged"\n', '    return "changed by the second diff"\n')
+THIRD = SECOND.replace('    return "changed by the second diff"\n', '    return "changed twice"\n')
+
+
+def write_series(root: Path, patch_id: str, *steps: str, names=("scale", "tail", "tail-again")) -> list:
+    """Diff N takes the source from steps[N-1] to steps[N]; returns the paths, in order."""
+    paths = []
+    for n, (old, new) in enumerate(zip(steps, steps[1:]), 1):
+        paths.append(write_diff(root, patch_id, dep3() + git_diff("src/mpfake/core.py", old, new),
+                                package=f"mpfake-{n}-{names[n - 1]}"))
+    return paths
+
+
+def test_series_names_parse_to_package_and_position(diffs_root):
+    assert diffs.name_parts("upstream_diffs/x/peft-2-keep-placement.diff") == ("peft", 2)
+    assert diffs.name_parts("upstream_diffs/x/bitsandbytes.diff") == ("bitsandbytes", None)
+    assert diffs.name_parts("upstream_diffs/x/peft-10.diff") == ("peft", 10)
+    paths = [write_diff(diffs_root, "fake-fix", fix_diff(), package=f"mpfake-{n}-step") for n in (10, 2, 1)]
+    found = diffs.diffs_for("fake-fix")
+    assert [d.series_index for d in found] == [1, 2, 10]  # numeric order, not the file names' order
+    assert {d.package for d in found} == {"mpfake"} and sorted(d.path for d in found) == sorted(paths)
+    assert diffs.series_problem(found) is not None  # 1, 2, 10: a gap
+    assert diffs.series_problem(found[:2]) is None
+
+
+def test_series_applies_cumulatively_and_each_diff_is_checked_on_top_of_the_ones_before(fake_site, diffs_root,
+                                                                                        tmp_path):
+    write_series(diffs_root, "fake-fix", BUGGY, FIXED, SECOND, THIRD)
+    series = diffs.diffs_for("fake-fix")
+    copy = diffs.apply_to_copy(series, tmp_path / "copy")
+    assert (copy / "mpfake" / "core.py").read_text() == THIRD
+    assert [c.verdict for c in diffs.check_series(series)] == [diffs.APPLIES] * 3
+    assert "on top of diffs 1..2 of its series" in diffs.check_series(series)[2].detail
+    # Diff 3 alone does not apply to the installed source: it is written on top of diff 2.
+    assert diffs.check(series[2]).verdict == diffs.DRIFTED
+    # Upstream merged the first two: the third still applies, the first two are fixed upstream.
+    set_installed(fake_site, SECOND)
+    assert [c.verdict for c in diffs.check_series(series)] == [diffs.FIXED_UPSTREAM, diffs.FIXED_UPSTREAM,
+                                                                diffs.APPLIES]
+    assert "diff 1 of the series is already in this file" in diffs.check_series(series)[2].files[0].notes[0]
+
+
+def test_apply_to_copy_names_the_diff_of_a_series_that_does_not_apply(fake_site, diffs_root, tmp_path):
+    first, second = write_series(diffs_root, "fake-fix", BUGGY, FIXED, SECOND)
+    second.write_text(second.read_text().replace('-    return "unchanged"', '-    return "something else"'))
+    with pytest.raises(RuntimeError, match=r"mpfake-2-tail.diff does not apply .*on top of the 1 diff"):
+        diffs.apply_to_copy(diffs.diffs_for("fake-fix"), tmp_path / "copy")
+
+
+def test_diffs_check_reports_each_diff_of_a_series(fake_site, diffs_root, use_registry, capsys):
+    paths = write_series(diffs_root, "fake-fix", BUGGY, FIXED, SECOND)
+    use_registry(fake_patch(diff_paths=[f"upstream_diffs/fake-fix/{p.name}" for p in paths]))
+    code, report = run_check(capsys)
+    rows = report["diffs"]
+    assert [(r["series_index"], r["series_size"], r["verdict"], r["consistent"]) for r in rows] == \
+        [(1, 2, "applies", True), (2, 2, "applies", True)]
+    assert code == 0 and all(r["package"] == "mpfake" for r in rows)
+    assert cli_main(["diffs", "check"]) == 0
+    assert "mpfake-2-tail.diff [mpfake 1.2.0] (diff 2 of 2, on top of 1): applies (ok)" in capsys.readouterr().out
+    # A series numbered 1, 3 is refused by name.
+    paths[1].rename(paths[1].with_name("mpfake-3-tail.diff"))
+    use_registry(fake_patch(diff_paths=["upstream_diffs/fake-fix/mpfake-1-scale.diff",
+                                        "upstream_diffs/fake-fix/mpfake-3-tail.diff"]))
+    code, report = run_check(capsys)
+    assert code == 1 and {r["verdict"] for r in report["diffs"]} == {"invalid"}
+    assert "not a series numbered 1..2" in report["diffs"][0]["message"]

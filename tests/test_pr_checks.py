@@ -217,3 +217,81 @@ def test_pr_on_a_real_accelerate_clone(tmp_path, capsys, monkeypatch):
     assert code == 0, err
     assert ("tests/test_hooks.py::HooksModelTester::test_attach_execution_device_hook_does_not_serialize_modules: "
             "base failed, with the diff passed") in out
+
+
+# ---------------------------------------------------------------------------------------------
+# A series of diffs: one branch and pull request per diff, diff N based on diff N-1
+
+SCALED = FIXED.replace("def scale(x):\n    return x * 3\n", "def scale(x, factor=3):\n    return x * factor\n")
+REGRESSION_2 = "\n    def test_scale_takes_a_factor(self):\n        assert scale(1, factor=4) == 4\n"
+
+
+def register_series(root: Path, monkeypatch, second_core: str = SCALED) -> None:
+    """mptiny-1-triple.diff (scale triples) and mptiny-2-factor.diff (on top of it: a factor
+    argument), each with its regression test in tests/test_core.py."""
+    folder = root / PATCH_ID
+    folder.mkdir(parents=True, exist_ok=True)
+    for old in folder.glob("*.diff"):
+        old.unlink()
+    header_2 = HEADER.replace("Description: scale() triples\n The documented factor is three.\n",
+                              "Description: scale() takes a factor\n Three stays the default.\n")
+    (folder / "mptiny-1-triple.diff").write_text(
+        HEADER + unified(CORE, CORE_SOURCE, FIXED) + unified(TESTS, TESTS_SOURCE, TESTS_SOURCE + REGRESSION))
+    (folder / "mptiny-2-factor.diff").write_text(
+        header_2 + unified(CORE, FIXED, second_core)
+        + unified(TESTS, TESTS_SOURCE + REGRESSION, TESTS_SOURCE + REGRESSION + REGRESSION_2))
+    (folder / "reproducer-2.py").write_text('"""scale() has no factor.\n\nFails with: TypeError\n"""\n'
+                                            "from mptiny.core import scale\n\nscale(1, factor=4)\n")
+    patch = Patch(id=PATCH_ID, title="tiny fix", affects={"mptiny": ">=0"},
+                  targets=(Target("mp_never_imported.core", "scale", fingerprints=("0" * 16,),
+                                  wrapper=lambda wrapped, instance, args, kwargs: wrapped(*args, **kwargs)),),
+                  diffs=(f"upstream_diffs/{PATCH_ID}/mptiny-1-triple.diff", f"upstream_diffs/{PATCH_ID}/mptiny-2-factor.diff"))
+    monkeypatch.setattr(metapatch, "registry", Registry([patch]))
+
+
+def test_pr_makes_one_branch_per_diff_of_a_series_each_checked_on_the_one_before(tiny, capsys, monkeypatch, tmp_path):
+    repo, _ = tiny
+    register_series(tmp_path / "upstream_diffs", monkeypatch)
+    code, out, err = run_pr(capsys, repo, "--skip-lint")
+    assert code == 0, err
+    first, second = f"{BRANCH}-1-triple", f"{BRANCH}-2-factor"
+    # Each diff's regression test fails on its own base (diff 2's base is diff 1's commit) and passes with it.
+    assert f"{TESTS}::TestScale::test_scale_triples: base failed, with the diff passed" in out
+    assert f"{TESTS}::TestScale::test_scale_takes_a_factor: base failed, with the diff passed" in out
+    # diff 2's upstream run includes diff 1's test, on both sides
+    assert "base: 3 passed, 0 failed, 0 skipped; with the diff: 4 passed, 0 failed, 0 skipped" in out
+    assert git(repo, "rev-parse", f"{second}^") == git(repo, "rev-parse", first)
+    assert git(repo, "rev-parse", f"{first}^") == git(repo, "rev-parse", "main")
+    assert git(repo, "symbolic-ref", "--short", "HEAD") == second
+    assert git(repo, "log", "-1", "--format=%s", first) == "scale() triples"
+    assert git(repo, "log", "-1", "--format=%s", second) == "scale() takes a factor"
+    commands = [line.strip() for line in out.splitlines() if line.strip().startswith("cd ") and "gh pr create" in line]
+    assert len(commands) == 2
+    assert f"--base main --head {first}" in commands[0] and f"--base {first} --head {second}" in commands[1]
+    git_dir = Path(git(repo, "rev-parse", "--absolute-git-dir")) / "metapatch"
+    body_1, body_2 = ((git_dir / f"{PATCH_ID}-{n}-pr-body.md").read_text() for n in (1, 2))
+    assert "Part 1 of 2" in body_1 and "#DEPENDS_ON" not in body_1
+    assert f"Part 2 of 2 of a series of pull requests, each fixing one problem. Depends on #DEPENDS_ON (branch `{first}`)" in body_2
+    assert "Fails with: TypeError" in body_2 and "scale(1, factor=4)" in body_2  # its own reproducer-2.py
+    assert f"- `{TESTS}::TestScale::test_scale_takes_a_factor`" in body_2 and "test_scale_triples`" not in body_2
+    script = (git_dir / f"{PATCH_ID}-create-prs.sh").read_text()
+    assert script.index(f"--head {first}") < script.index("#DEPENDS_ON|#$number") < script.index(f"--head {second}")
+    # The script fills in the number of the PR before: run it with a fake `gh` that prints a PR URL.
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "gh").write_text("#!/bin/sh\necho https://github.com/example/mptiny/pull/41\n")
+    (fake_bin / "gh").chmod(0o755)
+    subprocess.run(["sh", str(git_dir / f"{PATCH_ID}-create-prs.sh")], check=True, capture_output=True,
+                   env={**os.environ, "PATH": f"{fake_bin}{os.pathsep}{os.environ['PATH']}"})
+    assert f"Depends on #41 (branch `{first}`)" in (git_dir / f"{PATCH_ID}-2-pr-body.md").read_text()
+
+
+def test_pr_refuses_a_series_whose_later_diff_fails_and_creates_no_branch(tiny, capsys, monkeypatch, tmp_path):
+    repo, _ = tiny
+    register_series(tmp_path / "upstream_diffs", monkeypatch, second_core=SCALED.replace("a + b", "a - b"))
+    before = state(repo)
+    code, out, err = run_pr(capsys, repo, "--skip-lint")
+    assert code == 1 and "gh pr create" not in out
+    assert "mptiny-2-factor.diff is not ready for main with diff 1 of the series (up to mptiny-1-triple.diff)" in err
+    assert "pass on the base and fail with the diff: tests/test_core.py::test_add" in err
+    assert state(repo) == before  # not even diff 1's branch: the series goes up whole or not at all

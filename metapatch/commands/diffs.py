@@ -9,8 +9,9 @@ from typing import Any, Dict, List, Optional
 
 HELP = "check each upstream diff against the installed package: still needed, fixed upstream, or drifted"
 
-DESCRIPTION = """For each upstream diff (upstream_diffs/<patch-id>/<package>.diff), against the
-installed package:
+DESCRIPTION = """For each upstream diff (upstream_diffs/<patch-id>/<package>.diff, or a series of
+pull requests <package>-1-<what>.diff, <package>-2-<what>.diff, ... each checked on top of the
+ones before it), against the installed package:
   applies          the bug is present (the patch should be in effect)
   fixed-upstream   the diff applies in reverse: the patch should be not-affected
   drifted          neither: upstream moved the code (the failing hunks are shown)
@@ -89,6 +90,7 @@ def check_all(registry: Any, patch_ids: Optional[List[str]] = None) -> List[Dict
     rows: List[Dict[str, Any]] = []
     listed = set()
     for patch in chosen:
+        parsed, relative_of = [], {}
         for relative in patch.diffs:
             path = diffs_mod.resolve_diff_path(relative)
             listed.add(path.resolve())
@@ -96,7 +98,19 @@ def check_all(registry: Any, patch_ids: Optional[List[str]] = None) -> List[Dict
                 rows.append(_problem_row(patch.id, relative, states[patch.id]["state"], "missing",
                                          f"{patch.id} lists {relative}, which does not exist"))
                 continue
-            rows.append(_row(diffs_mod.check(diffs_mod.parse(path)), patch, states[patch.id], registry, relative))
+            parsed.append(diffs_mod.parse(path))
+            relative_of[id(parsed[-1])] = relative
+        for series in diffs_mod.series_of(parsed):
+            problem = diffs_mod.series_problem(series)
+            if problem:
+                rows += [_problem_row(patch.id, relative_of[id(d)], states[patch.id]["state"], "invalid", problem)
+                         for d in series]
+                continue
+            for n, diff in enumerate(series):  # diff N of a series on top of 1..N-1
+                row = _row(diffs_mod.check(diff, previous=series[:n]), patch, states[patch.id], registry,
+                           relative_of[id(diff)])
+                row["series_size"] = len(series)
+                rows.append(row)
     for path in diffs_mod.all_diff_paths():
         if path.resolve() in listed:
             continue
@@ -112,7 +126,9 @@ def check_all(registry: Any, patch_ids: Optional[List[str]] = None) -> List[Dict
 
 
 def _problem_row(patch_id: str, relative: str, state: Optional[str], verdict: str, message: str) -> Dict[str, Any]:
-    return {"patch_id": patch_id, "diff": relative, "package": Path(relative).stem, "distribution": None,
+    from metapatch.diffs import name_parts
+
+    return {"patch_id": patch_id, "diff": relative, "package": name_parts(relative)[0], "distribution": None,
             "installed": None, "verdict": verdict, "detail": message, "files": [], "header_missing": [],
             "patch_state": state, "consistent": False, "message": message}
 
@@ -207,7 +223,10 @@ def format_rows(rows: List[Dict[str, Any]]) -> str:
     for row in rows:
         version = f" [{row['distribution']} {row['installed']}]" if row.get("distribution") and row.get("installed") else ""
         mark = "ok" if row["consistent"] else "DISAGREES"
-        out.append(f"{row['diff']}{version}: {row['verdict']} ({mark})")
+        size, index = row.get("series_size") or 1, row.get("series_index")
+        on_top = "" if not index or index == 1 else ", on top of 1" if index == 2 else f", on top of 1..{index - 1}"
+        place = f" (diff {index} of {size}{on_top})" if size > 1 else ""
+        out.append(f"{row['diff']}{version}{place}: {row['verdict']} ({mark})")
         if row["detail"] != row["message"]:
             out.append(f"    {row['detail']}")
         out.append(f"    patch {row['patch_id']}: {row['patch_state'] or 'none'}: {row['message']}")

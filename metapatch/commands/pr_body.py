@@ -7,7 +7,11 @@ from __future__ import annotations
 import ast
 import re
 from pathlib import Path
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
+
+# In the body of a PR that depends on another one of its series: replaced by that PR's number once it
+# is opened (pr.series_script does it).
+DEPENDS_ON = "#DEPENDS_ON"
 
 
 def reproducer_source(patch: Any) -> str:
@@ -123,9 +127,11 @@ def _closure_source(source: str, module_name: str, function: str) -> str:
 
 
 def standalone_reproducer(diff: Any) -> Optional[Path]:
-    """``upstream_diffs/<id>/<diff stem>.reproducer.py`` or ``reproducer.py``: one short file that
-    needs only the upstream packages and fails on the base."""
-    for name in (f"{diff.path.stem}.reproducer.py", "reproducer.py"):
+    """``upstream_diffs/<id>/<diff stem>.reproducer.py``, for diff N of a series ``reproducer-N.py``,
+    else ``reproducer.py``: one short file that needs only the upstream packages and fails on the
+    base."""
+    own = [f"reproducer-{diff.series_index}.py"] if getattr(diff, "series_index", None) else []
+    for name in (f"{diff.path.stem}.reproducer.py", *own, "reproducer.py"):
         path = diff.path.parent / name
         if path.is_file():
             return path
@@ -151,10 +157,12 @@ def _repository_of(diff: Any) -> Optional[str]:
 
 def issue_links(patch: Any, diff: Any) -> "tuple[List[str], List[str]]":
     """(links to a filed issue or report of this bug, related links). Search URLs are neither;
-    a link into another project's tracker is related, not the report."""
+    a link into another project's tracker is related, not the report. A diff of a series has its
+    own bug: only its ``Bug:`` header counts, not the links of the patch as a whole."""
     reported, related = [], []
     repository = _repository_of(diff)
-    for link in dict.fromkeys(b for b in (*re.split(r"[\s,]+", diff.header.get("Bug", "")), *patch.upstream.bug) if b):
+    patch_links = () if getattr(diff, "series_index", None) else patch.upstream.bug
+    for link in dict.fromkeys(b for b in (*re.split(r"[\s,]+", diff.header.get("Bug", "")), *patch_links) if b):
         if not link.startswith("http") or "?q=" in link or "/search" in link or "/issues?" in link:
             continue  # "no issue filed", or a search: not a report
         match = re.match(r"https://github\.com/([^/]+/[^/]+)/(issues|pull)/\d+", link)
@@ -165,11 +173,19 @@ def issue_links(patch: Any, diff: Any) -> "tuple[List[str], List[str]]":
     return reported, related
 
 
-def pr_body(patch: Any, diff: Any, test_ids: Optional[List[str]] = None, report: Any = None) -> str:
+def pr_body(patch: Any, diff: Any, test_ids: Optional[List[str]] = None, report: Any = None,
+            series: Optional[Tuple[int, int, Optional[str]]] = None) -> str:
+    """``series``: (N, number of diffs, branch of diff N-1 or None) for diff N of a series."""
     subject, body = diff.description
     reported, related = issue_links(patch, diff)
     package_files = [s.path for s in diff.package_sections()]
-    lines = ["## Problem", "", body or subject, ""]
+    lines = []
+    if series is not None:
+        number, total, previous = series
+        lines += [f"Part {number} of {total} of a series of pull requests, each fixing one problem."
+                  + (f" Depends on {DEPENDS_ON} (branch `{previous}`): this change is written on top of it, "
+                     "please merge that one first." if previous else " The others are based on this one."), ""]
+    lines += ["## Problem", "", body or subject, ""]
     lines += ["Reported in: " + ", ".join(reported) if reported else "No issue filed.", ""]
     if related:
         lines += ["Related: " + ", ".join(related), ""]

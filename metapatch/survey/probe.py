@@ -45,14 +45,12 @@ def summarise(outcome: Any) -> Dict[str, Any]:
 
 
 def diff_copies(patch: Any, root: Path) -> Optional[List[str]]:
-    """Copies of the installed packages with the patch's upstream diffs applied (None: no diff)."""
+    """Copies of the installed packages with the patch's upstream diffs applied, a series in order
+    (upstream with all of the patch's pull requests), one path per package (None: no diff)."""
     from metapatch import diffs
 
-    paths = []
-    for relative in patch.diffs:
-        diff = diffs.parse(diffs.resolve_diff_path(relative))
-        paths.append(str(diffs.apply_to_copy(diff, root / diff.package)))
-    return paths or None
+    parsed = [diffs.parse(diffs.resolve_diff_path(relative)) for relative in patch.diffs]
+    return [str(diffs.apply_to_copy(series, root / series[0].package)) for series in diffs.series_of(parsed)] or None
 
 
 def probe(patch_id: str, timeout: float, with_diff: bool = True) -> Dict[str, Any]:

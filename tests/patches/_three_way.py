@@ -1,7 +1,8 @@
 """The three legs every patch test runs on its selftest scenarios (subprocesses, real libraries):
 unpatched (the upstream error where the install is affected), patched (equal to the in-memory
 reference), and the upstream diff alone (applied to a copy of the installed package, metapatch
-disabled). Shared so that each test file states only what is particular to its patch."""
+disabled; a series of diffs, all of them in order). Shared so that each test file states only what
+is particular to its patch."""
 
 from __future__ import annotations
 
@@ -26,12 +27,15 @@ def assert_upstream_error(outcome, scenario, why: str, message: Optional[str]) -
 
 
 def upstream_diff_copy(patch_id: str, tmp_path_factory, skip_reason: str = "") -> str:
-    """A copy of the installed package with the patch's (single) upstream diff applied; skipped, with
-    the reason, where the diff (written against upstream main) does not apply to this release."""
-    (diff,) = diffs_for(patch_id)
-    assert diff.header["Forwarded"] == "no" and diff.header["Last-Update"]
-    verdict = check(diff)
-    if verdict.verdict != APPLIES:
-        pytest.skip(f"the {diff.package} diff does not apply to the installed {diff.package} "
-                    f"{verdict.installed}: {verdict.verdict}" + (f" ({skip_reason})" if skip_reason else ""))
-    return str(apply_to_copy(diff, tmp_path_factory.mktemp(patch_id)))
+    """A copy of the installed package with the patch's upstream diff (or its series of diffs, in
+    order) applied; skipped, with the reason, where a diff (written against upstream main) does not
+    apply to this release."""
+    series = diffs_for(patch_id)
+    assert len({diff.package for diff in series}) == 1, [d.path.name for d in series]  # one package
+    for n, diff in enumerate(series):
+        assert diff.header["Forwarded"] == "no" and diff.header["Last-Update"]
+        verdict = check(diff, previous=series[:n])
+        if verdict.verdict != APPLIES:
+            pytest.skip(f"{diff.path.name} does not apply to the installed {diff.package} "
+                        f"{verdict.installed}: {verdict.verdict}" + (f" ({skip_reason})" if skip_reason else ""))
+    return str(apply_to_copy(series, tmp_path_factory.mktemp(patch_id)))

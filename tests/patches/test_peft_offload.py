@@ -9,6 +9,7 @@ listing of ``/`` around each: anything the unpatched run adds there is removed a
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import os
 import shutil
 from pathlib import Path
@@ -52,30 +53,40 @@ def outcomes(tmp_path_factory):
     cwd = {name: base / f"cwd-{name}" for name in ("unpatched", "patched", "diff")}
     for folder in cwd.values():
         folder.mkdir()
-    copies = {}
-    for patch in (REDISPATCH, SKIP_KEYS):
-        (diff,) = diffs_for(patch.id)
-        copies[patch.id] = apply_to_copy(diff, base / f"upstream-{patch.id}")
+    copies, not_applying = {}, {}
+    for patch in (REDISPATCH, SKIP_KEYS):  # all of a patch's diffs (peft: a series of four), in order
+        try:
+            copies[patch.id] = apply_to_copy(diffs_for(patch.id), base / f"upstream-{patch.id}")
+        except RuntimeError as exc:  # written against upstream main: an older release may not take it
+            not_applying[patch.id] = str(exc).splitlines()[0]
 
     jobs = {
         ("root", LLAMA): lambda: [_run_from_root(LLAMA, False), _run_from_root(LLAMA, True)],
         ("unpatched", GEMMA4): lambda: run_scenario(SCENARIOS[GEMMA4], patched=False, cwd=str(cwd["unpatched"])),
         ("patched", GEMMA4): lambda: run_scenario(SCENARIOS[GEMMA4], patched=True, cwd=str(cwd["patched"])),
-        ("diff", LLAMA): lambda: run_scenario(SCENARIOS[LLAMA], patched=False, cwd=str(cwd["diff"]),
-                                              pythonpath=[str(copies[REDISPATCH.id])]),
-        ("diff", GEMMA4): lambda: run_scenario(SCENARIOS[GEMMA4], patched=False, cwd=str(cwd["diff"]),
-                                               pythonpath=[str(copies[REDISPATCH.id])]),
         ("unpatched", DISPATCH): lambda: run_scenario(SCENARIOS[DISPATCH], patched=False),
         ("patched", DISPATCH): lambda: run_scenario(SCENARIOS[DISPATCH], patched=True),
-        ("diff", DISPATCH): lambda: run_scenario(SCENARIOS[DISPATCH], patched=False,
-                                                 pythonpath=[str(copies[SKIP_KEYS.id])]),
     }
+    if REDISPATCH.id in copies:
+        for key in (LLAMA, GEMMA4):
+            jobs[("diff", key)] = functools.partial(run_scenario, SCENARIOS[key], patched=False, cwd=str(cwd["diff"]),
+                                                    pythonpath=[str(copies[REDISPATCH.id])])
+    if SKIP_KEYS.id in copies:
+        jobs[("diff", DISPATCH)] = lambda: run_scenario(SCENARIOS[DISPATCH], patched=False,
+                                                        pythonpath=[str(copies[SKIP_KEYS.id])])
     with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
         futures = {key: pool.submit(job) for key, job in jobs.items()}
         results = {key: future.result() for key, future in futures.items()}
     (results[("unpatched", LLAMA, "root")], results[("patched", LLAMA, "root")]) = results.pop(("root", LLAMA))
     results["cwd"] = cwd
+    results["not_applying"] = not_applying
     return results
+
+
+def _diff_outcome(outcomes, patch, key):
+    if patch.id in outcomes["not_applying"]:
+        pytest.skip(f"{patch.id}'s upstream diff does not apply to this release: {outcomes['not_applying'][patch.id]}")
+    return outcomes[("diff", key)]
 
 
 def _explain(outcome) -> str:
@@ -137,7 +148,7 @@ def test_unpatched_run_from_root_leaves_no_entry_in_root(outcomes):
 
 @pytest.mark.parametrize("key", [LLAMA, GEMMA4])
 def test_upstream_peft_diff_alone_fixes_the_reproducer(outcomes, key):
-    outcome = outcomes[("diff", key)]
+    outcome = _diff_outcome(outcomes, REDISPATCH, key)
     assert outcome.passed, _explain(outcome)
     assert list(outcomes["cwd"]["diff"].iterdir()) == []
 
@@ -162,7 +173,7 @@ def test_patched_dispatch_model_keeps_gemma4_shared_kv(outcomes):
 
 
 def test_upstream_accelerate_diff_alone_fixes_dispatch_model(outcomes):
-    outcome = outcomes[("diff", DISPATCH)]
+    outcome = _diff_outcome(outcomes, SKIP_KEYS, DISPATCH)
     assert outcome.passed, _explain(outcome)
     assert outcome.metrics["max_abs_diff"] == 0.0
 

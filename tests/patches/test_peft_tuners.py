@@ -46,8 +46,7 @@ def outcomes(tmp_path_factory):
             cwd = base / f"{name}-{'patched' if patched else 'unpatched'}"
             cwd.mkdir()
             jobs[(name, patched)] = (SCENARIOS[name], patched, cwd)
-    (diff,) = diffs_for(REDISPATCH.id)
-    copy = apply_to_copy(diff, base / "upstream-peft")
+    copy = apply_to_copy(diffs_for(REDISPATCH.id), base / "upstream-peft")  # the series of peft diffs, in order
     for name in WITH_DIFF:
         cwd = base / f"{name}-diff"
         cwd.mkdir()
