@@ -51,10 +51,11 @@ PATCH = Patch(
     id=PATCH_ID,
     title="accelerate.dispatch_model without skip_keys keeps the model's _skip_keys_device_placement "
           "(Gemma 4 shared KV)",
-    # The harm is measured on Gemma 4 (added in transformers 5.6) up to 5.22; 5.23 fixed its side
+    # The harm is measured on Gemma 4 from its first release (transformers 5.5.0; `metapatch survey
+    # --run` measured 5.5.4 affected, the range said 5.6 before) up to 5.22; 5.23 fixed its side
     # with KVSharingDict, whose in-place .to survives accelerate's copies (5.24.0 measured). The
     # accelerate side (the default) is unfixed in every release: the fingerprint guards it.
-    affects={"transformers": ">=5.6,<5.23", "accelerate": ">=1.0"},
+    affects={"transformers": ">=5.5,<5.23", "accelerate": ">=1.0"},
     targets=(
         Target("accelerate.big_modeling", "dispatch_model",
                fingerprints=("398cfc87e4986362",  # accelerate 1.10.1, 1.11.0, 1.12.0
