@@ -188,6 +188,22 @@ def test_run_row_bisects_a_fix_outside_the_fingerprinted_code():
     assert [r["releases"] for r in static_table["distributions"]["pkg"]["rows"]] == [releases[:4], releases[4:]]
 
 
+def test_run_row_splits_off_releases_where_the_scenario_cannot_run():
+    """n/a at the oldest release (a combination that cannot load the model at all), the bug at the
+    newest: the n/a release gets a row of its own instead of joining the affected range."""
+    from metapatch.survey import plan
+
+    releases = ["0.46.0", "0.46.1"]
+    row = variants.group(releases, {v: {"t": "same"} for v in releases})[0]
+
+    def measure(version):
+        return [_run("yes")] if version == "0.46.1" else [dict(_run("no"), bug="n-a", patched="", fixed=[])]
+
+    rows = plan.run_row(row, releases, measure)
+    assert [(r["releases"], table.row_status(r)) for r in rows] == [
+        (["0.46.0"], table.UNDECIDED), (["0.46.1"], table.AFFECTED)]
+
+
 def test_run_row_with_ends_newest_measures_one_release_per_variant():
     from metapatch.survey import plan
 
