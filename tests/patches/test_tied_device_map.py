@@ -112,10 +112,11 @@ def unpatched_error(key: str) -> str:
         # < 1.15, another tied tensor of the wrong shape): both RuntimeError.
         if _version("transformers") < _version_of("5.13.0.dev0"):
             return "KeyError"
-        # 5.24.0 (accelerate 1.15.0): the direct read is still there, but what it reads is memory the
-        # placeholder never initialised: seen both passing and failing (NaN probabilities) unpatched
-        # on the same install. "?" = the upstream error, or a lucky pass.
-        return "RuntimeError" if _version("transformers") < _version_of("5.24.0.dev0") else "RuntimeError?"
+        # What the direct read gets is memory the meta placeholder never initialised (torch's cpu @ meta
+        # matmul does not raise): NaN probabilities in generate() (RuntimeError), or, when generate()'s
+        # few greedy tokens come out right by chance (seen on 5.23.0 and 5.24.0), self-conditioned
+        # logits that differ from the in-memory model's (AssertionError). Either way it fails.
+        return "RuntimeError|AssertionError"
     if key == "tied-device-map-transformers/tied-llama-budget-sweep":
         return ""  # a regression guard: transformers' own maps of a tied Llama were right (measured 5.0, 5.11)
     if key == "tied-device-map-accelerate/tied-llama-budget-sweep":
@@ -230,7 +231,7 @@ def test_unpatched(runs, key):
         assert outcome.passed or outcome.error_type == expected[:-1], _explain(outcome)
     elif expected:
         assert not outcome.passed, f"{key} passed without metapatch on an affected version"
-        assert outcome.error_type == expected, _explain(outcome)
+        assert outcome.error_type in expected.split("|"), _explain(outcome)
         if key.endswith("auto-map-small-budget"):
             assert "list index out of range" in outcome.error
         if key.endswith("explicit-map-split-group"):
