@@ -53,8 +53,12 @@ def quant_config(quant_type: str = "nf4", double_quant: bool = True, compute_dty
 def load_quantized(path: Path, config: Any, device: Any = "cpu") -> Any:
     """Quantized in memory on ``device`` (reference and dispatched model alike, so both hold the
     very same packed weights)."""
+    import importlib.util
+
     from transformers import AutoModelForCausalLM
 
+    if importlib.util.find_spec("bitsandbytes") is None:  # a PEFT scenario on 4-bit, on a stack without it
+        raise NotApplicable("needs bitsandbytes (not installed)")
     try:
         return AutoModelForCausalLM.from_pretrained(path, quantization_config=config, device_map={"": device}).eval()
     except ImportError as exc:
