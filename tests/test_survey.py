@@ -243,12 +243,12 @@ def test_result_cache_key_covers_the_shared_helpers_a_patch_imports():
 
 
 def test_companions_are_pinned_inside_the_patchs_affected_range(monkeypatch):
-    """accelerate-dispatch-skip-keys needs transformers 5.6-5.22: its accelerate releases are measured
+    """accelerate-dispatch-skip-keys needs transformers 5.5-5.22: its accelerate releases are measured
     with transformers from that range, never with the newest (fixed) or oldest (unaffected) one."""
     from metapatch.survey import plan
     from metapatch.survey import releases as rel
 
-    window = {"transformers": ["4.57.1", "5.5.0", "5.6.0", "5.22.2", "5.23.0", "5.24.0"],
+    window = {"transformers": ["4.57.1", "5.4.0", "5.6.0", "5.22.2", "5.23.0", "5.24.0"],
               "accelerate": ["1.10.0", "1.15.0"], "peft": ["0.17.0", "0.21.2"], "bitsandbytes": ["0.46.0", "0.50.2"]}
     monkeypatch.setattr(rel, "releases_in_window", lambda dist, *a, **k: window[dist])
     patch = metapatch.registry.patches["accelerate-dispatch-skip-keys"]
