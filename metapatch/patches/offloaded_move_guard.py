@@ -97,7 +97,7 @@ def _holds_meta(module: Any, recurse: bool) -> bool:
     return any(t.is_meta for group in tensors for t in group)
 
 
-def _offloaded_with_meta(module: Any, hooks_module: Any) -> Optional[Any]:
+def _offloaded_with_meta(module: Any) -> Optional[Any]:
     """The module's offload hook when it keeps the module's weights on meta right now (outside a
     forward pass), else None."""
     hook = module.__dict__.get("_hf_hook")
@@ -110,18 +110,16 @@ def _offloaded_with_meta(module: Any, hooks_module: Any) -> Optional[Any]:
 
 
 def _any_offloaded(root: Any) -> bool:
-    hooks_module = sys.modules.get("accelerate.hooks")
-    return hooks_module is not None and any(
-        "_hf_hook" in module.__dict__ and _offloaded_with_meta(module, hooks_module) is not None
+    return "accelerate.hooks" in sys.modules and any(
+        "_hf_hook" in module.__dict__ and _offloaded_with_meta(module) is not None
         for module in root.modules())
 
 
 def _offloaded_modules(root: Any) -> List[Tuple[str, Any, Any]]:
     """(relative name, module, hook) for every offloaded module under ``root``."""
-    hooks_module = sys.modules["accelerate.hooks"]
     found = []
     for name, module in root.named_modules():
-        hook = _offloaded_with_meta(module, hooks_module)
+        hook = _offloaded_with_meta(module)
         if hook is not None:
             found.append((name, module, hook))
     return found

@@ -140,7 +140,7 @@ def combinations(patch: Any, dist: str, version: str, max_combos: int) -> List[D
     """Pins for one release of a variant: companions all newest, all oldest, then mixed (newest and
     oldest inside the patch's affected range of each companion, where it declares one)."""
     companions = [d for d in related_dists(patch) if d != dist]
-    ends = {d: (companion_releases(patch, d)[-1], companion_releases(patch, d)[0]) for d in companions}
+    ends = {d: (releases[-1], releases[0]) for d in companions for releases in [companion_releases(patch, d)]}
     order = [tuple(0 for _ in companions), tuple(1 for _ in companions)]
     order += [c for c in product((0, 1), repeat=len(companions)) if c not in order]
     combos = []
