@@ -37,7 +37,7 @@ TEST_TOOLS = ["safetensors", "pytest>=8", "pytest-xdist", "hypothesis>=6", "para
 # Run in one environment only (latest), to keep CI under its 60 minutes on 2 cores: tests of
 # metapatch's own tooling that do not depend on the stack, and the per-PR reproducers of the peft
 # diff series (every environment pins the same peft).
-ONCE = ["tests/test_pr_checks.py", "tests/test_series_reproducers.py"]
+ONCE = ["tests/test_pr_checks.py", "tests/test_series_reproducers.py", "tests/test_diffs_run_real.py"]
 # The public-report corpus (about 3.5 min per environment) runs on the seed and latest pairs; the
 # Gemma 4 integration pair (5.7) adds nothing to it that those two do not cover.
 NOT_IN = {"gemma4-int": ["tests/reports"]}

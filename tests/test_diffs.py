@@ -446,3 +446,65 @@ def test_diffs_check_reports_each_diff_of_a_series(fake_site, diffs_root, use_re
     code, report = run_check(capsys)
     assert code == 1 and {r["verdict"] for r in report["diffs"]} == {"invalid"}
     assert "not a series numbered 1..2" in report["diffs"][0]["message"]
+
+
+# ---------------------------------------------------------------------------------------------
+# `metapatch diffs check --run`: behaviour, on the synthetic package with a real scenario run
+# (the shipped harness, a fresh interpreter per run, the diff applied to a copy)
+
+SCENARIO_MODULE = """\
+def scale_is_fixed(workdir):
+    from mpfake.core import scale
+    assert scale(1) == 3, f"scale(1) is {scale(1)}"
+"""
+
+
+@pytest.fixture
+def fake_scenario(fake_site, monkeypatch):
+    from metapatch.selftest import Scenario
+    from metapatch.survey import probe
+
+    (fake_site / "mpfake_scenarios.py").write_text(SCENARIO_MODULE)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(fake_site), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("METAPATCH_SELFTEST_FORK", "0")  # the warm parent would not see the fake site
+    scenario = Scenario("fake-fix", "scale", "mpfake_scenarios:scale_is_fixed")
+    monkeypatch.setattr(probe, "scenarios_of", lambda patch: [scenario] if patch.id == "fake-fix" else [])
+    return fake_site
+
+
+def test_diffs_check_run_passes_when_the_applied_diff_fixes_the_scenario(fake_scenario, diffs_root,
+                                                                          use_registry, capsys):
+    write_diff(diffs_root, "fake-fix", fix_diff())
+    use_registry(fake_patch())
+    before = sha(fake_scenario / "mpfake" / "core.py")
+    code, report = run_check(capsys, "--run", "--timeout", "120")
+    [run] = report["runs"]
+    row = run["scenarios"]["fake-fix/scale"]
+    assert row["without_diff"]["result"] == "fail" and "scale(1) is 2" in row["without_diff"]["error"]
+    assert row["with_diff"]["result"] == "pass"
+    assert (run["result"], code, report["ok"]) == ("pass", 0, True)
+    assert sha(fake_scenario / "mpfake" / "core.py") == before  # the installed package is never touched
+
+
+def test_diffs_check_run_fails_when_the_diff_applies_but_does_not_fix(fake_scenario, diffs_root,
+                                                                       use_registry, capsys):
+    wrong = BUGGY.replace("    factor = 2\n", "    factor = 4\n")
+    write_diff(diffs_root, "fake-fix", fix_diff(new=wrong))
+    use_registry(fake_patch())
+    code, report = run_check(capsys, "--run", "--timeout", "120")
+    [run] = report["runs"]
+    assert report["diffs"][0]["verdict"] == "applies" and report["consistent"]
+    assert run["result"] == "fail" and "1 of 1 scenario(s) fail" in run["reason"]
+    assert (code, report["ok"]) == (1, False)
+    assert cli_main(["diffs", "check", "--run", "--timeout", "120"]) == 1
+    assert "with it FAILS AssertionError: scale(1) is 4" in capsys.readouterr().out
+
+
+def test_diffs_check_run_does_not_run_a_drifted_diff(fake_scenario, diffs_root, use_registry, capsys):
+    set_installed(fake_scenario, BUGGY.replace("    factor = 2\n", "    factor = 2.0\n"))
+    write_diff(diffs_root, "fake-fix", fix_diff())
+    use_registry(fake_patch())
+    code, report = run_check(capsys, "--run")
+    [run] = report["runs"]
+    assert run["result"] == "not-run" and "drifted" in run["reason"] and run["scenarios"] == {}
+    assert code == 1  # the drift itself disagrees with the in-range patch

@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional
 
 FORCE_DIR = Path(__file__).resolve().parent / "_force"
 NOT_APPLICABLE_ERRORS = ("NotApplicable", "ModelUnavailable")
+DOES_NOT_APPLY = "does not apply"
 
 
 def scenarios_of(patch: Any) -> List[Any]:
@@ -53,7 +54,9 @@ def diff_copies(patch: Any, root: Path) -> Optional[List[str]]:
     return [str(diffs.apply_to_copy(series, root / series[0].package)) for series in diffs.series_of(parsed)] or None
 
 
-def probe(patch_id: str, timeout: float, with_diff: bool = True) -> Dict[str, Any]:
+def probe(patch_id: str, timeout: float, with_diff: bool = True, forced: bool = True) -> Dict[str, Any]:
+    """``forced=False`` leaves out the patched leg (``metapatch diffs check --run`` asks only whether
+    the diff fixes what reproduces)."""
     import metapatch
     from metapatch.selftest import run_scenario
 
@@ -67,16 +70,17 @@ def probe(patch_id: str, timeout: float, with_diff: bool = True) -> Dict[str, An
             try:
                 copies = diff_copies(patch, Path(tmp))
             except Exception as exc:  # noqa: BLE001 - a diff that does not apply is a result
-                diff_error = f"does not apply: {str(exc).splitlines()[0][:200]}"
+                diff_error = f"{DOES_NOT_APPLY}: {str(exc).splitlines()[0][:200]}"
         for scenario in scenarios_of(patch):
             row = {"unpatched": summarise(run_scenario(scenario, patched=True, env=off, timeout=timeout))}
             if row["unpatched"]["result"] == "n/a":
                 report["scenarios"][scenario.key] = row
                 continue
-            forced = run_scenario(scenario, patched=True, pythonpath=[str(FORCE_DIR)],
-                                  env={"METAPATCH_SURVEY_FORCE": patch_id}, timeout=timeout)
-            row["patched"] = summarise(forced)
-            row["patched"]["state"] = forced.states.get(patch_id)
+            if forced:
+                outcome = run_scenario(scenario, patched=True, pythonpath=[str(FORCE_DIR)],
+                                       env={"METAPATCH_SURVEY_FORCE": patch_id}, timeout=timeout)
+                row["patched"] = summarise(outcome)
+                row["patched"]["state"] = outcome.states.get(patch_id)
             if copies:
                 row["diff"] = summarise(run_scenario(scenario, patched=True, pythonpath=copies, env=off,
                                                      timeout=timeout))
