@@ -298,10 +298,12 @@ def _trainable_copies_in_memory(model: Any) -> int:
     return adjusted
 
 
-def follow_base_layer_hooks(model: Any) -> int:
+def follow_base_layer_hooks(model: Any, allow_meta: bool = False) -> int:
     """For every tuner layer of ``model`` over an offloaded base layer: adapter tensors real and on
     the execution device, no hook on the adapter containers, the base layer held during the tuner's
-    forward. Returns how many tuner layers were adjusted; raises when an adapter tensor has no value."""
+    forward. Returns how many tuner layers were adjusted; raises when an adapter tensor has no value,
+    unless ``allow_meta``: PEFT's ``low_cpu_mem_usage`` creates adapters on meta on purpose, and the
+    load that follows assigns their values (the load's own call, without ``allow_meta``, checks)."""
     import torch
     from accelerate.hooks import add_hook_to_module
     from peft.tuners.tuners_utils import BaseTunerLayer
@@ -324,7 +326,8 @@ def follow_base_layer_hooks(model: Any) -> int:
                         list(module.named_buffers(recurse=False)):
                     full = f"{name}.{tensor_name}" if name else tensor_name
                     if tensor.device.type == "meta":
-                        missing.append(full)
+                        if not allow_meta:
+                            missing.append(full)
                     elif tensor.device != device:
                         tensor.data = tensor.data.to(device)
         if missing:

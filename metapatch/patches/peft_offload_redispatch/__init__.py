@@ -32,6 +32,21 @@ Here:
   memory, with a warning);
 * ``merge_and_unload`` (and merge/unmerge/unload) work: ``onload_layer`` no longer reads every
   offloaded tensor to look up a file name it never uses (a KeyError with this weights map).
+
+Where the upstream series (``upstream_diffs/peft-offload-redispatch/peft-N-*.diff``) does less, each
+measured by ``metapatch diffs check --run`` and pinned by ``tests/patches/test_peft_tuners.py``:
+
+* training through an offloaded 4-bit (bitsandbytes) layer: metapatch hangs
+  :class:`~metapatch._adapter_offload.KeepQuantStateHook` in front of each such layer's offload hook,
+  because offloading the weight after a forward moves the very ``QuantState`` autograd saved to meta
+  (``Params4bit.to`` works in place) and the backward then dequantizes garbage. With the series alone
+  the nf4 training step's gradients are NaN (upstream: an error). The fix belongs in bitsandbytes
+  (a moved ``Params4bit`` should get its own ``QuantState``), not in peft;
+* ``PeftMixedModel.from_pretrained`` over an offloaded base: metapatch wraps it like
+  ``PeftModel.from_pretrained``; the series leaves it removing the base's hooks first
+  (``AttributeError: ... 'get_base_model'``);
+* peft's "only safetensors" check is skipped here (``hf_device_map`` is hidden from the call); the
+  series keeps it.
 """
 
 from __future__ import annotations

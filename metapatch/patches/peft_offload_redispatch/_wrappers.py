@@ -112,8 +112,21 @@ def inject_adapter(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
         result = wrapped(*args, **kwargs)
     finally:
         instance.__dict__.pop("_create_and_replace", None)
-    _adapter_offload.follow_base_layer_hooks(instance.model)
+    _adapter_offload.follow_base_layer_hooks(instance.model, allow_meta=_created_empty(args, kwargs))
     return result
+
+
+def _created_empty(args: tuple, kwargs: dict) -> bool:
+    """PEFT's ``low_cpu_mem_usage``: the adapter is created on meta on purpose and its values are
+    assigned by the load that follows. ``add_adapter``/``load_adapter`` pass it to
+    ``inject_adapter(model, adapter_name, autocast_adapter_dtype, low_cpu_mem_usage, ...)``;
+    ``PeftModel.__init__`` instead creates the tuner inside accelerate's ``init_empty_weights``,
+    recognisable by the ``register_parameter`` it installs for the duration."""
+    if kwargs.get("low_cpu_mem_usage", args[3] if len(args) > 3 else False):
+        return True
+    import torch
+
+    return getattr(torch.nn.Module.register_parameter, "__name__", "") == "register_empty_parameter"
 
 
 def move_adapter(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
