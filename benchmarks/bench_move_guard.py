@@ -6,8 +6,9 @@ that are not offloaded, with accelerate imported.
 Two states of the process:
 * "no offload hook": accelerate is imported but has never attached an offload hook (the guard
   tests one flag and calls through);
-* "after an offload": some other module was offloaded, so the guard walks the moved subtree
-  looking for offloaded weights (the cost before the flag existed, on every call).
+* "after an offload": some other module was offloaded, so the guard looks up which modules of the
+  moved subtree carry an offload hook (walked once, then cached until a hook or a submodule is
+  added anywhere; before that cache it walked the subtree on every call).
 Each round times the guarded method and torch's original (the function the patch wraps) back to
 back, in alternating order (each side the fastest of 5 timings of --number calls), and takes their
 ratio; the table shows the median over the rounds of the per-call times and of the ratios. Not

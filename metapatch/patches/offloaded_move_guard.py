@@ -13,13 +13,20 @@ with an accelerate offload hook whose tensors are on meta. Everything else calls
 The check walks the moved subtree, so it runs only once an offload hook can exist: a flag set by
 ``AlignDevicesHook.init_hook`` (the one place every accelerate offload hook is attached through,
 ``add_hook_to_module`` and ``SequentialHook`` alike) when the hook offloads. In a process that
-never offloads, a ``.to`` costs one flag test.
+never offloads, a ``.to`` costs one flag test. After that, which modules of a subtree carry an
+offload hook is remembered until the next offload hook is attached anywhere or a submodule is
+registered anywhere (torch's global module-registration hook): moving a model without offload hooks
+again costs one lookup; for a hooked one only its hooked modules are checked (live: a removed hook,
+or weights loaded back, count). A subtree changed behind torch's back (``parent._modules[name] =
+hooked``) can be missed until the next such event; then torch raises its own "Cannot copy out of meta
+tensor" error, as without the guard: the cache never lets through a move that would lose weights.
 """
 
 from __future__ import annotations
 
 import functools
 import sys
+import weakref
 from typing import Any, Callable, List, Optional, Tuple
 
 from metapatch._offloaded_weights import offload_hooks
@@ -70,6 +77,26 @@ class _OffloadSeen:
     importing (metapatch imported after accelerate, or re-installed after an unpatch)."""
 
     seen = False
+    # Bumped whenever an offload hook is attached or a submodule registered: which modules of a
+    # subtree are hooked is cached for the epoch it was computed in. The registration hook stays
+    # after an unpatch (it only counts).
+    epoch = 0
+    registration_hook: Any = None
+
+
+# root -> (epoch, the modules of its subtree that had an offload hook in that epoch). Whether
+# those hooks still offload, and keep weights on meta, is read live on each device move.
+_HOOKED_IN: "weakref.WeakKeyDictionary[Any, Tuple[int, Tuple[Any, ...]]]" = weakref.WeakKeyDictionary()
+
+
+def _tree_changed(module: Any, name: str, submodule: Any) -> None:
+    _OffloadSeen.epoch += 1
+
+
+def _watch_module_registration() -> None:
+    if _OffloadSeen.registration_hook is None:
+        torch_module = sys.modules["torch.nn.modules.module"]
+        _OffloadSeen.registration_hook = torch_module.register_module_module_registration_hook(_tree_changed)
 
 
 def _track_offload_hooks(original: Any) -> Any:
@@ -79,11 +106,13 @@ def _track_offload_hooks(original: Any) -> Any:
     # instance can exist yet; any later install may come after hooks were attached unseen.
     if not getattr(spec, "_initializing", False):
         _OffloadSeen.seen = True
+    _watch_module_registration()  # accelerate imports torch first: it is loaded here
 
     @functools.wraps(original)
     def init_hook(self: Any, module: Any) -> Any:
         if getattr(self, "offload", False):
             _OffloadSeen.seen = True
+            _OffloadSeen.epoch += 1
         return original(self, module)
 
     return init_hook
@@ -92,9 +121,15 @@ def _track_offload_hooks(original: Any) -> Any:
 # -- what is offloaded -------------------------------------------------------------------------
 
 
+def _tensors(module: Any, recurse: bool = True) -> List[Any]:
+    """The module's parameters and buffers (of its whole subtree with ``recurse``), walked by
+    identity (see :func:`_named_modules`)."""
+    modules = [m for _, m in _named_modules(module)] if recurse else [module]
+    return [t for m in modules for group in (m._parameters, m._buffers) for t in group.values() if t is not None]
+
+
 def _holds_meta(module: Any, recurse: bool) -> bool:
-    tensors = (module.parameters(recurse=recurse), module.buffers(recurse=recurse))
-    return any(t.is_meta for group in tensors for t in group)
+    return any(t.is_meta for t in _tensors(module, recurse))
 
 
 def _offloaded_with_meta(module: Any) -> Optional[Any]:
@@ -109,16 +144,49 @@ def _offloaded_with_meta(module: Any) -> Optional[Any]:
     return None
 
 
+def _named_modules(root: Any) -> List[Tuple[str, Any]]:
+    """``root.named_modules()`` by identity: torch's memo set hashes every module, which fails for a
+    module class that defines ``__eq__`` without ``__hash__`` (a dataclass module), while moving one
+    with torch alone works (``_apply`` never hashes the module it is called on)."""
+    found, seen, stack = [], set(), [("", root)]
+    while stack:
+        name, module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        found.append((name, module))
+        children = [(f"{name}.{child_name}" if name else child_name, child)
+                    for child_name, child in module._modules.items() if child is not None]
+        stack.extend(reversed(children))
+    return found
+
+
+def _hooked_modules(root: Any) -> Tuple[Any, ...]:
+    """The modules under ``root`` with an accelerate offload hook: cached per root and epoch."""
+    epoch = _OffloadSeen.epoch
+    try:
+        entry = _HOOKED_IN.get(root)
+    except TypeError:  # an unhashable module (a dataclass module with eq=True): not cached
+        entry = None
+    if entry is not None and entry[0] == epoch:
+        return entry[1]
+    hooked = tuple(m for _, m in _named_modules(root) if "_hf_hook" in m.__dict__ and offload_hooks(m))
+    try:
+        _HOOKED_IN[root] = (epoch, hooked)
+    except TypeError:
+        pass
+    return hooked
+
+
 def _any_offloaded(root: Any) -> bool:
-    return "accelerate.hooks" in sys.modules and any(
-        "_hf_hook" in module.__dict__ and _offloaded_with_meta(module) is not None
-        for module in root.modules())
+    """Whether a module under ``root`` keeps offloaded weights on meta right now."""
+    return any(_offloaded_with_meta(module) is not None for module in _hooked_modules(root))
 
 
 def _offloaded_modules(root: Any) -> List[Tuple[str, Any, Any]]:
     """(relative name, module, hook) for every offloaded module under ``root``."""
     found = []
-    for name, module in root.named_modules():
+    for name, module in _named_modules(root):
         hook = _offloaded_with_meta(module)
         if hook is not None:
             found.append((name, module, hook))
@@ -131,7 +199,7 @@ def _collapsed_names(root: Any, offloaded: List[Tuple[str, Any, Any]]) -> List[s
     offloaded_names = {name for name, _, _ in offloaded}
 
     def fully_offloaded(name: str, module: Any) -> bool:
-        tensors = [*module.parameters(), *module.buffers()]
+        tensors = _tensors(module)
         return bool(tensors) and all(t.is_meta for t in tensors) and any(
             n == name or n.startswith(name + ".") or not name for n in offloaded_names)
 
@@ -141,7 +209,9 @@ def _collapsed_names(root: Any, offloaded: List[Tuple[str, Any, Any]]) -> List[s
         if fully_offloaded(name, module):
             found.append(name or f"the whole {type(root).__name__}")
             return
-        for child_name, child in module.named_children():
+        for child_name, child in module._modules.items():
+            if child is None:
+                continue
             visit(f"{name}.{child_name}" if name else child_name, child)
 
     visit("", root)
@@ -192,7 +262,7 @@ def _refusal(root: Any, call: str, device: str, offloaded: List[Tuple[str, Any, 
 
 
 def _refuse_if_offloaded(module: Any, method: str, args: tuple, kwargs: dict, device: str) -> None:
-    if device.startswith("meta") or not _any_offloaded(module):
+    if device.startswith("meta") or "accelerate.hooks" not in sys.modules or not _any_offloaded(module):
         return  # moving to meta never needs the data
     call = f"{method}({_call_args(args, kwargs)})"
     raise _refusal(module, call, device, _offloaded_modules(module))
@@ -203,7 +273,8 @@ def _guard(method: str, target_device: Callable[[tuple, dict], Optional[str]]) -
     def factory(original: Any) -> Any:
         @functools.wraps(original)
         def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if _OffloadSeen.seen:
+            # Which modules are hooked first (a cached lookup): parsing .to's arguments costs more.
+            if _OffloadSeen.seen and _hooked_modules(self):
                 device = target_device(args, kwargs)
                 if device is not None:
                     _refuse_if_offloaded(self, method, args, kwargs, device)

@@ -200,6 +200,17 @@ def test_import_metapatch_does_not_import_torch():
 
 # -- the pass-through path: no walk over the module tree until an offload hook exists -----------
 
+# Counts the guard's walks over a moved tree (``walks``), in a probe subprocess.
+COUNT_WALKS = r"""
+import metapatch.patches.offloaded_move_guard as guard
+walks = []
+original_walk = guard._named_modules
+def counting_walk(root):
+    walks.append(type(root).__name__)
+    return original_walk(root)
+guard._named_modules = counting_walk
+"""
+
 FLAG_PROBE = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1])
@@ -211,13 +222,7 @@ import torch
 import accelerate.hooks as hooks
 from metapatch.patches.offloaded_move_guard import _OffloadSeen
 
-walks = []
-original_modules = torch.nn.Module.modules
-def counting_modules(self):
-    walks.append(type(self).__name__)
-    return original_modules(self)
-torch.nn.Module.modules = counting_modules
-
+""" + COUNT_WALKS + r"""
 model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.Linear(4, 4)))
 result = {"state": {r["id"]: r["state"] for r in metapatch.status()}["offloaded-move-guard"],
           "seen_at_start": _OffloadSeen.seen}
@@ -269,3 +274,97 @@ def test_late_import_checks_every_move():
     assert result["seen_at_start"] is True
     assert result["walks_before_any_offload"] > 0
     assert result["refused"] == "OffloadedMoveError"
+
+
+# -- after an offload: which modules are hooked is cached per root until a hook or a submodule
+#    is added anywhere; whether they still offload is read live on each move
+
+CACHE_PROBE = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import metapatch
+import torch
+import accelerate.hooks as hooks
+from metapatch.patches.offloaded_move_guard import OffloadedMoveError
+
+def offloaded_linear():
+    layer = torch.nn.Linear(4, 4)
+    hooks.attach_align_device_hook(layer, execution_device="cpu", offload=True)
+    return layer
+
+def outcome(move):
+    try:
+        move()
+        return "moved"
+    except OffloadedMoveError:
+        return "OffloadedMoveError"
+    except NotImplementedError as exc:
+        return "NotImplementedError: " + str(exc)[:60]
+
+elsewhere = offloaded_linear()  # an offload somewhere in the process turns the guard's walks on
+model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.Linear(4, 4)))
+other = torch.nn.Sequential(torch.nn.Linear(4, 4))
+""" + COUNT_WALKS + r"""
+result = {}
+for _ in range(3):
+    model.to("cpu"); model.cpu(); model.to(torch.float32)
+result["walks_for_nine_moves"] = len(walks)
+hooks.attach_align_device_hook(model[1][0], execution_device="cpu", offload=True)
+result["after_a_hook_inside"] = outcome(lambda: model.to("cpu"))
+hooks.remove_hook_from_module(model[1][0])
+result["after_removing_it"] = outcome(lambda: model.to("cpu"))
+other.to("cpu")
+other.extra = offloaded_linear()
+result["after_setattr_of_an_offloaded_child"] = outcome(lambda: other.to("cpu"))
+third = torch.nn.Sequential(torch.nn.Linear(4, 4))
+third.to("cpu")
+third._modules["hidden"] = offloaded_linear()  # behind torch's back, but a hook was attached since
+result["after_a_direct_modules_assignment"] = outcome(lambda: third.to("cpu"))
+fourth = torch.nn.Sequential(torch.nn.Linear(4, 4))
+hidden = offloaded_linear()
+fourth.to("cpu")
+fourth._modules["hidden"] = hidden  # behind torch's back, nothing attached since: the known limit
+result["after_an_unseen_change"] = outcome(lambda: fourth.to("cpu"))
+print(json.dumps(result))
+"""
+
+
+@needs_guard
+def test_moves_after_an_offload_use_the_cache_and_see_every_hook_change():
+    import json
+    import subprocess
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])
+    proc = subprocess.run([sys.executable, "-c", CACHE_PROBE, root], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["walks_for_nine_moves"] == 1
+    assert result["after_a_hook_inside"] == "OffloadedMoveError"
+    assert result["after_removing_it"] == "moved"
+    assert result["after_setattr_of_an_offloaded_child"] == "OffloadedMoveError"
+    assert result["after_a_direct_modules_assignment"] == "OffloadedMoveError"
+    # Missed by the cache, but never moved silently: torch's own error, as without metapatch.
+    assert result["after_an_unseen_change"].startswith("NotImplementedError: Cannot copy out of meta tensor")
+
+
+@needs_guard
+def test_an_unhashable_module_still_moves_and_is_still_guarded():
+    import dataclasses
+
+    @dataclasses.dataclass(eq=True)  # defines __eq__, so __hash__ is None: no weak-keyed cache entry
+    class Holder(torch.nn.Module):
+        width: int = 4
+
+        def __post_init__(self):
+            super().__init__()
+            self.inner = torch.nn.Linear(self.width, self.width)
+
+    hooks.attach_align_device_hook(torch.nn.Linear(2, 2), execution_device="cpu", offload=True)
+    holder = Holder()
+    with pytest.raises(TypeError):
+        hash(holder)
+    assert holder.to("cpu") is holder and holder.to(torch.float64) is holder
+    hooks.attach_align_device_hook(holder.inner, execution_device="cpu", offload=True)
+    with pytest.raises(MetapatchError):
+        holder.to("cpu")
