@@ -22,7 +22,7 @@ EPILOG = """verdicts:
   BUG OUTSIDE GATE not affected by the version gate, yet the bug reproduces (exit code 1; please report)
   skipped          a package the scenario needs is not installed
   n/a (REASON)     the scenario's model class or API does not exist in the installed versions
-                   (e.g. "needs transformers >= 5.6"): neither passed nor failed, exit code unchanged
+                   (e.g. "needs transformers >= 5.5"): neither passed nor failed, exit code unchanged
 """
 
 

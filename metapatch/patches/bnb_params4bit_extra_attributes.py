@@ -48,7 +48,10 @@ PATCH = Patch(
     # sets no attribute on parameters; accelerate 1.10.x/1.14.0 with bitsandbytes 0.46.1, 0.48.2,
     # 0.49.2), on accelerate 1.14.0 (transformers 5.17.0 x bitsandbytes 0.49.2: accelerate pops
     # the attribute) and on bitsandbytes 0.50.x (**kwargs). 0.46.0 is not loadable for 4-bit by
-    # transformers 5.x (it requires >= 0.46.1).
+    # transformers 5.x (it requires >= 0.46.1). Survey (docs/survey/): every transformers minor series
+    # from 4.57 to 5.24 run with accelerate 1.13.0 x bitsandbytes 0.49.2 (4.57.6 absent, 5.0.0-5.24.0
+    # TypeError, all patched pass) and every accelerate series 1.10-1.15 with transformers 5.24.0
+    # (1.10.1-1.13.0 TypeError, 1.14.0/1.15.0 absent).
     affects={"bitsandbytes": ">=0.46.1,<0.50.0", "transformers": ">=5.0.0", "accelerate": "<1.14.0"},
     targets=(
         Target("bitsandbytes.nn.modules", "Params4bit.__new__",

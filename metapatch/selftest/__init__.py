@@ -16,7 +16,7 @@ from ._harness import Outcome, Scenario, all_scenarios, run_scenario, scenarios_
 
 class NotApplicable(Exception):
     """Raised by a scenario whose model class or API does not exist in the installed stack
-    (``NotApplicable("needs transformers >= 5.6 (Gemma4ForCausalLM)")``). The harness reports the
+    (``NotApplicable("needs transformers >= 5.5 (Gemma4ForCausalLM)")``). The harness reports the
     scenario as ``n/a`` with this message: it is neither a pass nor a failure, and it does not change
     ``metapatch selftest``'s exit code."""
 

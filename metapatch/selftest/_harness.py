@@ -44,7 +44,7 @@ class Outcome:
     stderr_tail: str = ""
     states: Dict[str, str] = field(default_factory=dict)  # metapatch.status() in the child
     # The scenario raised selftest.NotApplicable (its model class or API is missing here): the
-    # message, e.g. "needs transformers >= 5.6 (Gemma4ForCausalLM)". Such an outcome is neither a
+    # message, e.g. "needs transformers >= 5.5 (Gemma4ForCausalLM)". Such an outcome is neither a
     # pass nor a failure; ``passed`` stays False so that code which only reads ``passed`` never
     # mistakes it for a pass.
     not_applicable: Optional[str] = None

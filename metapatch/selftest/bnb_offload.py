@@ -41,10 +41,19 @@ def base_checkpoint(workdir: Path) -> Path:
     return path
 
 
+def _require_bitsandbytes() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is None:  # a PEFT scenario on 4-bit, on a stack without it
+        raise NotApplicable("needs bitsandbytes (not installed)")
+
+
 def quant_config(quant_type: str = "nf4", double_quant: bool = True, compute_dtype: str = "float32") -> Any:
     import torch
     from transformers import BitsAndBytesConfig
 
+    # transformers 4.57's BitsAndBytesConfig reads bitsandbytes' version: PackageNotFoundError without it
+    _require_bitsandbytes()
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type,
                               bnb_4bit_use_double_quant=double_quant,
                               bnb_4bit_compute_dtype=getattr(torch, compute_dtype))
@@ -53,12 +62,9 @@ def quant_config(quant_type: str = "nf4", double_quant: bool = True, compute_dty
 def load_quantized(path: Path, config: Any, device: Any = "cpu") -> Any:
     """Quantized in memory on ``device`` (reference and dispatched model alike, so both hold the
     very same packed weights)."""
-    import importlib.util
-
     from transformers import AutoModelForCausalLM
 
-    if importlib.util.find_spec("bitsandbytes") is None:  # a PEFT scenario on 4-bit, on a stack without it
-        raise NotApplicable("needs bitsandbytes (not installed)")
+    _require_bitsandbytes()
     try:
         return AutoModelForCausalLM.from_pretrained(path, quantization_config=config, device_map={"": device}).eval()
     except ImportError as exc:
