@@ -160,6 +160,9 @@ def forward_matches_reference(workdir: Path, quant_type: str, double_quant: bool
     config = quant_config(quant_type, double_quant, compute_dtype)
     ids = input_ids()
     reference_model = load_quantized(base_checkpoint(workdir), config, main_device)
+    # What was loaded, read before any forward (see saved_state_matches for why).
+    reference_model.metapatch_loaded_state = {k: v.detach().cpu().clone()
+                                              for k, v in reference_model.state_dict().items()}
     # A copy taken before any forward: both hold the very same packed weights and quant states.
     model = dispatch(copy.deepcopy(reference_model), workdir / f"{quant_type}-{double_quant}-{compute_dtype}",
                      offload_to, main_device)
@@ -306,14 +309,23 @@ def saved_state_matches(workdir: Path, reference_model: Any, model: Any) -> Dict
     """No data loss, after forwards through the dispatched model: its state_dict() (offloaded
     weights stay meta, their quant states are real), accelerate's offloaded state dict, and
     save_pretrained -> from_pretrained all give the in-memory model's packed weights and quant
-    states, the packed nested_offset exactly."""
+    states, the packed nested_offset exactly.
+
+    On a CPU with AVX512-BF16, bitsandbytes (0.49+) repacks an in-memory 4-bit layer for its CPU
+    kernel at the first inference forward (absmax to bfloat16) and its ``state_dict()`` converts back
+    with a lossy re-quantization: upstream behaviour that the dispatched model's in-memory layers share
+    with the reference. So the expected state is what the reference gives after its forwards, except
+    for the offloaded layers, whose weights must still be exactly what was loaded. Elsewhere the
+    two are the same."""
     from accelerate.utils.modeling import get_state_dict_offloaded_model
     from transformers import AutoModelForCausalLM
 
     from ._models import input_ids
 
-    reference = {k: v.detach().cpu().clone() for k, v in reference_model.state_dict().items()}
     offloaded_prefixes = tuple(f"model.layers.{i}." for i in OFFLOADED_LAYERS)
+    loaded = reference_model.metapatch_loaded_state
+    reference = {k: loaded[k] if k.startswith(offloaded_prefixes) else v.detach().cpu().clone()
+                 for k, v in reference_model.state_dict().items()}
     quant_keys = set(_quant_state_keys(reference))
     may_be_meta = tuple(k for k in reference if k.startswith(offloaded_prefixes) and k not in quant_keys)
     _assert_same_state(reference, model.state_dict(), "dispatched state_dict()", allow_meta=may_be_meta)
@@ -324,7 +336,10 @@ def saved_state_matches(workdir: Path, reference_model: Any, model: Any) -> Dict
     reloaded = AutoModelForCausalLM.from_pretrained(workdir / "saved", device_map={"": device}).eval()
     _assert_same_state(reference, reloaded.state_dict(), "save_pretrained -> from_pretrained")
     ids = input_ids()
-    assert_equal_outputs(logits(reference_model, ids), [logits(reloaded, ids)], "reloaded checkpoint")
+    # The dispatched model's outputs equal the in-memory model's (forward_matches_reference); the
+    # reloaded checkpoint must give the dispatched model's (the two differ only where bitsandbytes'
+    # CPU repack round trip changed the in-memory reference's state, see above).
+    assert_equal_outputs(logits(model, ids), [logits(reloaded, ids)], "reloaded checkpoint")
     return {"quant_states_compared": sum(1 for k in quant_keys if "bitsandbytes__" in k)}
 
 
