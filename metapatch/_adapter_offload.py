@@ -102,6 +102,39 @@ def base_layer_onloaded(module: Any) -> Iterator[None]:
         _release(base_layer, hook)
 
 
+@contextlib.contextmanager
+def base_layer_stood_in(module: Any) -> Iterator[None]:
+    """The offloaded tensors of ``module``'s base layer are stood in for, inside the block, by
+    uninitialised tensors of the same shape and dtype on the hook's execution device; the offloaded
+    values are never read (a disk-offloaded layer costs no file read) and the original meta tensors
+    are put back afterwards. Only for code that reads where and what the base weight is, never its
+    values (a LoRA layer created with a value-free initialisation): anything else must use
+    :func:`base_layer_onloaded`. Falls back to it for tensors of a class other than ``Parameter``
+    and ``Tensor`` (quantized weights carry state an empty tensor lacks)."""
+    import torch
+
+    base_layer = base_layer_of(module)
+    hook = offload_hook(base_layer)
+    if hook is None or _held(hook):
+        yield
+        return
+    stood_in = [(store, name, tensor) for sub in base_layer.modules() for store in (sub._parameters, sub._buffers)
+                for name, tensor in store.items() if tensor is not None and tensor.device.type == "meta"]
+    if any(type(tensor) not in (torch.nn.Parameter, torch.Tensor) for _, _, tensor in stood_in):
+        with base_layer_onloaded(module):
+            yield
+        return
+    device = execution_device(module)
+    for store, name, tensor in stood_in:
+        empty = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+        store[name] = torch.nn.Parameter(empty, tensor.requires_grad) if type(tensor) is torch.nn.Parameter else empty
+    try:
+        yield
+    finally:
+        for store, name, tensor in stood_in:
+            store[name] = tensor
+
+
 def base_layer_of(module: Any) -> Any:
     get_base_layer = getattr(module, "get_base_layer", None)
     return get_base_layer() if callable(get_base_layer) else module

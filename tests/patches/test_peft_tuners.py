@@ -235,3 +235,55 @@ def test_move_adapter_goes_to_the_execution_device_not_meta():
     assert move_adapter_to_execution_device(layer, "a") is True
     assert layer.scales["a"].device.type == "cpu" and layer.scales["a"].dtype == torch.float32
     assert torch.equal(layer.scales["a"], torch.ones(2))
+
+
+@pytest.mark.parametrize("use_dora", [False, True])
+def test_value_free_lora_creation_reads_no_offloaded_weight(tmp_path, monkeypatch, use_dora):
+    """A plain LoRA with a value-free initialisation over disk-offloaded layers is created without
+    reading one offloaded file (its base layers are stood in for); DoRA reads each targeted base
+    weight (its magnitude is the weight's norm). Either way the outputs equal the in-memory model's
+    and the base layers stay offloaded."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("peft")
+    if not affected():
+        pytest.skip("peft-offload-redispatch is not affected on this stack")
+    from accelerate.utils import OffloadedWeightsLoader
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from metapatch.selftest._models import input_ids, save_tiny_llama
+
+    checkpoint = save_tiny_llama(tmp_path / "base")
+    layers = AutoModelForCausalLM.from_pretrained(checkpoint).config.num_hidden_layers
+    device_map = {"model.embed_tokens": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu",
+                  **{f"model.layers.{i}": "disk" for i in range(layers)}}
+    reads = []
+    original_getitem = OffloadedWeightsLoader.__getitem__
+
+    def counted(self, key):
+        reads.append(key)
+        return original_getitem(self, key)
+
+    def lora_over(model):
+        torch.manual_seed(0)
+        config = LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False, use_dora=use_dora)
+        return get_peft_model(model, config).eval()
+
+    reference = lora_over(AutoModelForCausalLM.from_pretrained(checkpoint))
+    base = AutoModelForCausalLM.from_pretrained(checkpoint, device_map=device_map,
+                                                offload_folder=str(tmp_path / "offload"))
+    q_proj = base.model.layers[0].self_attn.q_proj
+    meta_weight = q_proj.weight
+    monkeypatch.setattr(OffloadedWeightsLoader, "__getitem__", counted)
+    model = lora_over(base)
+    created_reads = list(reads)
+    monkeypatch.setattr(OffloadedWeightsLoader, "__getitem__", original_getitem)
+    if use_dora:
+        assert any(key.endswith("q_proj.weight") for key in created_reads), created_reads
+    else:
+        assert created_reads == []
+        assert q_proj.weight is meta_weight  # stood in for, then given back (no onload/offload round trip)
+    assert q_proj.weight.device.type == "meta"
+    ids = input_ids()
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, reference(input_ids=ids).logits)

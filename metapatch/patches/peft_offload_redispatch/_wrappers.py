@@ -97,13 +97,19 @@ def inject_adapter(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
     """``BaseTuner.inject_adapter`` (every tuner, every entry point that creates an adapter): each
     target's base layer is onloaded while its tuner layer is created (initialisations that read the
     base weight, DoRA's norm for one, see real values; the adapter is placed on the execution
-    device), then every tuner layer over an offloaded base follows its hook."""
+    device), then every tuner layer over an offloaded base follows its hook. Where the creation
+    provably reads no base value, the base layer is only stood in for (no read of a disk-offloaded
+    weight: a third of what an adapter load over an offloaded base cost on top of upstream)."""
     tuner_create = instance._create_and_replace
 
     def create_and_replace(*c_args: Any, **c_kwargs: Any) -> Any:
         target = c_kwargs.get("target", c_args[2] if len(c_args) > 2 else None)
         if target is None:
             return tuner_create(*c_args, **c_kwargs)
+        config = c_args[0] if c_args else next((v for k, v in c_kwargs.items() if k.endswith("config")), None)
+        if _reads_no_base_value(instance, config, target):
+            with _adapter_offload.base_layer_stood_in(target):
+                return tuner_create(*c_args, **c_kwargs)
         with _adapter_offload.base_layer_onloaded(target):
             return tuner_create(*c_args, **c_kwargs)
 
@@ -114,6 +120,36 @@ def inject_adapter(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
         instance.__dict__.pop("_create_and_replace", None)
     _adapter_offload.follow_base_layer_hooks(instance.model, allow_meta=_created_empty(args, kwargs))
     return result
+
+
+# LoRA's initialisations that draw or zero the adapter without looking at the base weight; every
+# other one (PiSSA, OLoRA, CorDA, LoftQ, orthogonal, LoRA-GA, ...) and every variant (DoRA, aLoRA,
+# Arrow, ...) may read it, as may every other tuner: those get the real weights.
+_VALUE_FREE_LORA_INITS = (True, False, "gaussian")
+_LORA_VARIANT_FIELDS = ("use_dora", "alora_invocation_tokens", "arrow_config", "target_parameters")
+
+
+def _reads_no_base_value(tuner: Any, config: Any, target: Any) -> bool:
+    """Whether creating ``config``'s tuner layer on ``target`` reads nothing but the base layer's
+    shape, dtype and device: a plain LoRA (not a subclass: AdaLoRA and the rest initialise
+    otherwise) with a value-free initialisation and no variant, over a plain ``Linear`` or
+    ``Embedding`` (a quantized base reads its quantization state)."""
+    import dataclasses
+
+    import torch
+    from peft.tuners.lora import LoraConfig, LoraModel
+
+    if type(tuner) is not LoraModel or type(config) is not LoraConfig:
+        return False
+    init = config.init_lora_weights
+    if not any(init is value or (isinstance(value, str) and init == value) for value in _VALUE_FREE_LORA_INITS):
+        return False
+    if any(getattr(config, name, None) for name in _LORA_VARIANT_FIELDS):
+        return False
+    if any(field.metadata.get("is_lora_variant") and getattr(config, field.name, None)
+           for field in dataclasses.fields(config)):
+        return False
+    return type(_adapter_offload.base_layer_of(target)) in (torch.nn.Linear, torch.nn.Embedding)
 
 
 def _created_empty(args: tuple, kwargs: dict) -> bool:
