@@ -29,7 +29,7 @@ Imports of torch/accelerate/peft happen inside functions: ``import metapatch`` s
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, List, Optional
+from typing import Any, Iterator, List, Optional, Tuple
 
 from metapatch._records import MetapatchError
 
@@ -280,16 +280,16 @@ class KeepQuantStateHook:
         return module
 
 
-def keep_quant_states_of_offloaded_layers(model: Any) -> None:
+def _keep_quant_state_of(module: Any) -> None:
+    """An offloaded 4-bit layer gets a :class:`KeepQuantStateHook` in front of its offload hook."""
     from accelerate.hooks import SequentialHook
 
-    for module in model.modules():
-        if getattr(getattr(module, "weight", None), "quant_state", None) is None or offload_hook(module) is None:
-            continue
-        hook = module.__dict__["_hf_hook"]
-        hooks = list(hook.hooks) if isinstance(hook, SequentialHook) else [hook]
-        if not any(isinstance(h, KeepQuantStateHook) for h in hooks):
-            module._hf_hook = SequentialHook(KeepQuantStateHook(), *hooks)
+    if getattr(getattr(module, "weight", None), "quant_state", None) is None or offload_hook(module) is None:
+        return
+    hook = module.__dict__["_hf_hook"]
+    hooks = list(hook.hooks) if isinstance(hook, SequentialHook) else [hook]
+    if not any(isinstance(h, KeepQuantStateHook) for h in hooks):
+        module._hf_hook = SequentialHook(KeepQuantStateHook(), *hooks)
 
 
 def _hold_hook_of(layer: Any) -> Optional[HoldBaseLayerHook]:
@@ -300,21 +300,16 @@ def _hold_hook_of(layer: Any) -> Optional[HoldBaseLayerHook]:
     return next((h for h in hooks if isinstance(h, HoldBaseLayerHook)), None)
 
 
-def _trainable_copies_in_memory(model: Any) -> int:
+def _trainable_copies_in_memory(wrappers: List[Tuple[str, Any]]) -> int:
     """``modules_to_save`` copies PEFT makes of an offloaded module (``copy.deepcopy``, hook included)
     are the adapter's own trainable weights: they get their values back from the copied hook's
     weights map, lose the hook (an optimizer must keep the same parameters) and stay in memory on the
-    execution device. The original module stays offloaded."""
+    execution device. The original module stays offloaded. ``wrappers``: the (name,
+    ``ModulesToSaveWrapper``) pairs of the model."""
     import torch
 
-    try:
-        from peft.utils.other import ModulesToSaveWrapper
-    except ImportError:  # pragma: no cover - every supported peft has it
-        return 0
     adjusted = 0
-    for wrapper_name, wrapper in model.named_modules():
-        if not isinstance(wrapper, ModulesToSaveWrapper):
-            continue
+    for wrapper_name, wrapper in wrappers:
         for adapter, copy in getattr(wrapper, "modules_to_save", {}).items():
             for name, module in copy.named_modules():
                 hook = offload_hook(module)
@@ -341,20 +336,29 @@ def follow_base_layer_hooks(model: Any, allow_meta: bool = False) -> int:
     from accelerate.hooks import add_hook_to_module
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    keep_quant_states_of_offloaded_layers(model)
-    adjusted = _trainable_copies_in_memory(model)
-    for layer_name, layer in model.named_modules():
-        if not isinstance(layer, BaseTunerLayer):
-            continue
+    try:
+        from peft.utils.other import ModulesToSaveWrapper
+    except ImportError:  # pragma: no cover - every supported peft has it
+        ModulesToSaveWrapper = ()
+    tuner_layers, wrappers = [], []
+    for name, module in model.named_modules():  # one walk: this runs at every adapter load
+        _keep_quant_state_of(module)
+        if isinstance(module, BaseTunerLayer):
+            tuner_layers.append((name, module))
+        if isinstance(module, ModulesToSaveWrapper):
+            wrappers.append((name, module))
+    adjusted = _trainable_copies_in_memory(wrappers)
+    for layer_name, layer in tuner_layers:
         device = execution_device(layer)
-        for _, module in _adapter_modules(layer):
+        adapter_modules = _adapter_modules(layer)
+        for _, module in adapter_modules:
             if "_hf_hook" in module.__dict__ and module is not layer:
                 _restore_from_hook(module, device if device is not None else torch.device("cpu"))
         if device is None:
             continue
         missing = []
         with torch.no_grad():
-            for name, module in _adapter_modules(layer):
+            for name, module in adapter_modules:
                 for tensor_name, tensor in list(module.named_parameters(recurse=False)) + \
                         list(module.named_buffers(recurse=False)):
                     full = f"{name}.{tensor_name}" if name else tensor_name

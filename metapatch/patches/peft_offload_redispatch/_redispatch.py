@@ -4,7 +4,7 @@ written outside ``offload_dir``."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 from metapatch._records import MetapatchError
 
@@ -39,6 +39,29 @@ def _adapter_tensor_names(model: Any) -> set:
                     names.update(f"{module_name}.{attr}.{n}" for n, _ in part.named_parameters())
                     names.update(f"{module_name}.{attr}.{n}" for n, _ in part.named_buffers())
     return names
+
+
+def _named_tensors(model: Any) -> Iterator[Tuple[str, Any, bool]]:
+    """(name, tensor, whether it is a tuner layer's own tensor) for every parameter and buffer of
+    ``model``, each once under its first name (as ``named_parameters``/``named_buffers`` name
+    them), in one walk of the module tree (the check runs at every adapter load)."""
+    import torch
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    adapter_modules, seen = set(), set()
+    for module_name, module in model.named_modules():
+        if isinstance(module, BaseTunerLayer):
+            for attr in tuple(module.adapter_layer_names) + tuple(module.other_param_names):
+                part = getattr(module, attr, None)
+                if isinstance(part, torch.nn.Module):
+                    adapter_modules.update(id(m) for m in part.modules())
+        is_adapter = id(module) in adapter_modules
+        prefix = f"{module_name}." if module_name else ""
+        for store in (module._parameters, module._buffers):
+            for tensor_name, tensor in store.items():
+                if tensor is not None and id(tensor) not in seen:
+                    seen.add(id(tensor))
+                    yield prefix + tensor_name, tensor, is_adapter
 
 
 def _place_tensors(model: Any, device_map: Dict[str, Any], sources: Dict[str, Any], offloaded_devices: set,
@@ -120,15 +143,12 @@ def _keep_current_dispatch(model: Any, base: Any, sources: Dict[str, Any]) -> bo
     adapter to an offloaded base) and only the wrapper's ``hf_device_map`` is recorded, as
     ``dispatch_model`` would. Anything else (a tensor outside the base on another device, a meta
     tensor no hook knows) takes the full re-dispatch."""
-    from accelerate.utils import named_module_tensors
-
     from metapatch._tied_groups import entry_of
 
     device_map = new_placement(model, base, {})
     main = _main_device(device_map)
     offloaded_devices = {"disk"} if str(main) in ("cpu", "mps") else {"cpu", "disk"}
-    adapters = None
-    for name, tensor in named_module_tensors(model, include_buffers=True, recurse=True):
+    for name, tensor, is_adapter in _named_tensors(model):
         key = entry_of(device_map, name)  # the longest prefix, by dictionary look-ups
         where = None if key is None else device_map[key]
         if str(where) in offloaded_devices:
@@ -136,8 +156,7 @@ def _keep_current_dispatch(model: Any, base: Any, sources: Dict[str, Any]) -> bo
                 if name not in sources:
                     return False
                 continue
-            adapters = _adapter_tensor_names(model) if adapters is None else adapters
-            if name not in adapters or not _same_device(tensor.device, main):
+            if not is_adapter or not _same_device(tensor.device, main):
                 return False
         elif not _same_device(tensor.device, where):
             return False
