@@ -21,6 +21,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections import OrderedDict, defaultdict
 from functools import cached_property
+from itertools import islice
 from typing import Any, Callable, Dict, Iterable, List, Mapping, MutableMapping, Optional, Sequence, Tuple
 
 Group = Tuple[str, ...]
@@ -140,30 +141,30 @@ def tied_groups(model: Any, extra: Iterable[Sequence[str]] = (),
 # Sizes
 
 
-def _prefixes(name: str) -> Iterable[str]:
-    """"", then every dotted prefix of ``name``, then ``name`` (slicing, not re-joining: this runs
-    once per tensor and depth level in map inference, on models with thousands of tensors)."""
-    yield ""
-    cut = name.find(".")
-    while cut >= 0:
-        yield name[:cut]
-        cut = name.find(".", cut + 1)
-    yield name
-
-
 def dedupe_tied_sizes(sizes: MutableMapping[str, int], groups: Sequence[Group],
                       tensor_bytes: Callable[[str], int]) -> MutableMapping[str, int]:
     """Count each tied group once, at its anchor, in a ``compute_module_sizes`` table that has an
     entry per tensor name as well as per module. Upstream tables count a group zero times (target
     seen first, then skipped by name), once, or once per member, depending on the tie state."""
+    get = sizes.get
+    # Corrections are summed per module and pushed up one level at a time, deepest first: each
+    # module's entry is updated once, not once per tied member below it (hundreds of groups).
+    by_depth: Dict[int, Dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for group in groups:
-        counted = {m: int(sizes.get(m, 0)) for m in group}
-        true_size = max(counted.values()) or int(tensor_bytes(group[0]))
-        for member in group:
-            delta = (true_size if member == group[0] else 0) - counted[member]
+        counted = [int(get(member, 0)) for member in group]
+        true_size = max(counted) or int(tensor_bytes(group[0]))
+        for index, member in enumerate(group):
+            delta = (true_size if index == 0 else 0) - counted[index]
             if delta:
-                for prefix in _prefixes(member):
-                    sizes[prefix] = sizes.get(prefix, 0) + delta
+                sizes[member] = get(member, 0) + delta
+                parent = member.rpartition(".")[0]
+                by_depth[parent.count(".") + 1 if parent else 0][parent] += delta
+    for depth in range(max(by_depth, default=-1), -1, -1):
+        for module, delta in by_depth[depth].items():
+            if delta:
+                sizes[module] = get(module, 0) + delta
+                if depth:
+                    by_depth[depth - 1][module.rpartition(".")[0]] += delta
     return sizes
 
 
@@ -193,8 +194,12 @@ class Placement:
 
     def __init__(self, model: Any, device_map: Mapping[str, Any], groups: Sequence[Group], *,
                  sizes: Optional[Mapping[str, int]] = None, budgets: Optional[Mapping[Any, int]] = None,
-                 devices: Optional[Sequence[Any]] = None, no_split: Iterable[str] = ()) -> None:
+                 devices: Optional[Sequence[Any]] = None, no_split: Iterable[str] = (),
+                 parameter_names: Optional[Iterable[str]] = None) -> None:
         self.model = model
+        # Every parameter name (as all_parameters names them), when the caller has walked them
+        # already: counting the parameters under a key is then a range of a sorted list.
+        self._parameter_names = sorted(parameter_names) if parameter_names is not None else None
         self.map: Dict[str, Any] = dict(device_map)
         self.groups = [g for g in groups if len(g) > 1]
         self.sizes = sizes if sizes is not None else {}
@@ -209,9 +214,11 @@ class Placement:
         for key, device in self.map.items():
             self.used[device] += self.sizes.get(key, 0)
         self.moves: List[Tuple[str, str, Any, Any]] = []  # (member, anchor, from, to) for messages
-        # name -> the map key placing it. Moving a key to another device keeps every entry; only a
-        # split (new keys) empties it. A repair asks for the same members' devices thousands of times.
+        # name -> the map key placing it, and the reverse. Moving a key to another device keeps every
+        # entry; a split replaces one key by its children, so only the names it placed are looked up
+        # again. A repair asks for the same members' devices thousands of times.
         self._entries: Dict[str, Optional[str]] = {}
+        self._placed_by: Dict[Optional[str], List[str]] = defaultdict(list)
 
     # The indexes below are built on first use: most maps need no repair (or only a few moves), and
     # building them walks every module and parameter of the model, which would double the cost of
@@ -233,11 +240,6 @@ class Placement:
         inside = names[bisect_left(names, key + "."):bisect_left(names, key + "/")]
         return inside + [key] if key in self.group_of else inside
 
-    def params_under(self, key: str) -> int:
-        if self._is_tensor(key):
-            return 1
-        return sum(1 for _ in all_parameters(self._module(key)))
-
     # -- reading -----------------------------------------------------------------------------
 
     def _entry(self, name: str) -> Optional[str]:
@@ -245,6 +247,7 @@ class Placement:
             return self._entries[name]
         except KeyError:
             key = self._entries[name] = entry_of(self.map, name)
+            self._placed_by[key].append(name)
             return key
 
     def device(self, name: str) -> Any:
@@ -252,12 +255,27 @@ class Placement:
         return None if key is None else self.map[key]
 
     def violations(self) -> List[int]:
-        out = []
+        """Indexes of the groups whose members sit on more than one device (members the map does
+        not place are ignored). Runs over every group at least twice per repair: written flat."""
+        entries, placed, entry, out = self._entries, self.map, self._entry, []
         for index, group in enumerate(self.groups):
-            devices = {self.device(m) for m in group} - {None}
-            if len(devices) > 1:
-                out.append(index)
+            first = None
+            for member in group:
+                key = entries[member] if member in entries else entry(member)
+                if key is None:
+                    continue
+                device = placed[key]
+                if first is None:
+                    first = device
+                elif device != first:
+                    out.append(index)
+                    break
         return out
+
+    def _split_now(self, group: Group) -> bool:
+        devices = {self.device(m) for m in group}
+        devices.discard(None)
+        return len(devices) > 1
 
     def _fits(self, device: Any, extra: int) -> bool:
         if self.budgets is None or device == "disk" or extra <= 0:
@@ -308,7 +326,8 @@ class Placement:
             else:
                 rebuilt[k] = v
         self.map = rebuilt
-        self._entries.clear()
+        for name in self._placed_by.pop(key, ()):  # a longer key can only appear under the split one
+            self._entries.pop(name, None)
         return True
 
     def _splittable(self, key: str) -> bool:
@@ -332,7 +351,15 @@ class Placement:
 
     def _only_tied(self, key: str) -> bool:
         """Every parameter under ``key`` is a tied member: moving it moves nothing else (but buffers)."""
-        return self.params_under(key) == len(self.members_under(key))
+        members = len(self.members_under(key))
+        if self._is_tensor(key):
+            return members == 1
+        names = self._parameter_names
+        if names is not None:
+            inside = len(names) if not key else bisect_left(names, key + "/") - bisect_left(names, key + ".")
+            return inside == members
+        # Counting stops one past the members: a decoder layer holds far more than its tied copies.
+        return sum(1 for _ in islice(all_parameters(self._module(key)), members + 1)) == members
 
     def _follow(self, member: str, home: Any) -> bool:
         """Move ``member`` (a non-anchor) to ``home``, refining its map entry as far as needed: whole
@@ -381,6 +408,8 @@ class Placement:
                 return self.map
             for index in pending:
                 group = self.groups[index]
+                if not self._split_now(group):
+                    continue  # an earlier move in this pass placed it (one layer moved fixes many groups)
                 home = self.device(group[0])
                 before = {m: self.device(m) for m in group}
                 if all(self._follow(m, home) for m in group[1:] if self.device(m) not in (None, home)):

@@ -83,7 +83,7 @@ def _infer_auto_device_map(wrapped, instance, args, kwargs):
     budgets = seen["budgets"]
     placement = tg.Placement(model, raw, groups, sizes=seen["sizes"], budgets=budgets,
                              devices=list(budgets) + ["disk"],
-                             no_split=call.get("no_split_module_classes") or ())
+                             no_split=call.get("no_split_module_classes") or (), parameter_names=parameters)
     device_map = upstream["OrderedDict"](placement.repair())
     if clean and call.get("no_placement_params") is None:
         device_map = upstream["clean_device_map"](device_map)
