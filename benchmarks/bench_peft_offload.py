@@ -7,9 +7,9 @@ Measured side by side in one run, on the CPU (layers split between CPU memory an
   folder or the working directory (must be none);
 * forward time of the PEFT model over the offloaded base against the offloaded base model alone.
 
-Rounds are interleaved and medians reported.
+Rounds are interleaved (after one untimed warm-up load of each kind) and medians reported.
 
-    python benchmarks/bench_peft_offload.py [--hidden 512] [--layers 8] [--rounds 5]
+    python benchmarks/bench_peft_offload.py [--hidden 512] [--layers 8] [--rounds 9]
 """
 
 from __future__ import annotations
@@ -49,8 +49,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=9, help="interleaved rounds (median taken; at least 7)")
     args = parser.parse_args()
+    if args.rounds < 7:
+        parser.error("--rounds must be at least 7")
 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -66,6 +68,11 @@ def main() -> None:
     times: Dict[str, List[float]] = {"load in-memory": [], "load offloaded": [], "fwd base offloaded": [],
                                      "fwd peft offloaded": []}
     written: List[str] = []
+    # One untimed load of each kind first: peft's and metapatch's lazy imports and first-call
+    # set-up would otherwise land on whichever side runs first.
+    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(checkpoint), adapter)
+    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(
+        checkpoint, device_map=device_map, offload_folder=str(work / "offload-warm-up")), adapter)
     for n in range(args.rounds):
         base = AutoModelForCausalLM.from_pretrained(checkpoint)
         started = time.perf_counter()
