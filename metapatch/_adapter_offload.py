@@ -13,7 +13,9 @@ The one mechanism here, whatever the tuner:
 
 * while a tuner layer is created over an offloaded base layer, the base layer is onloaded
   (:func:`base_layer_onloaded`), so the tuner's initialisation reads real weights and its tensors
-  are placed on the hook's execution device, never on ``meta``;
+  are placed on the hook's execution device, never on ``meta``; a creation that provably reads
+  only the base weight's shape, dtype and device has it stood in for instead
+  (:func:`base_layer_stood_in`: empty tensors on the execution device, no offloaded value read);
 * an adapter's tensors live on the execution device of its base layer's hook
   (:func:`move_adapter_to_execution_device`): they are small and trainable, so they are kept as the
   same ``Parameter`` objects (an optimizer holding them keeps working) rather than offloaded;

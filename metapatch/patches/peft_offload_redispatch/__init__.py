@@ -18,9 +18,11 @@ Upstream PEFT (0.17.0-0.21.2 measured, unfixed on main):
 Here:
 
 * an adapter's tensors follow its base layer's offload hook (:mod:`metapatch._adapter_offload`,
-  the one mechanism for every tuner): created next to an onloaded base layer, placed on the hook's
-  execution device, never hooked themselves, and the base layer onloaded for the whole forward of
-  the tuner layer (tuners that read ``base_layer.weight`` directly see its value);
+  the one mechanism for every tuner): created next to an onloaded base layer (or, for a plain LoRA
+  whose initialisation reads no base value, one stood in for by empty tensors: no disk read),
+  placed on the hook's execution device, never hooked themselves, and the base layer onloaded for
+  the whole forward of the tuner layer (tuners that read ``base_layer.weight`` directly see its
+  value);
 * upstream's re-dispatch is skipped (``hf_device_map`` is hidden from ``from_pretrained`` and
   ``load_adapter`` for the call, so the base keeps its hooks while the adapter is added), and
   metapatch re-dispatches instead: the current placement re-keyed for the wrapper, the offloaded base
