@@ -311,12 +311,12 @@ def saved_state_matches(workdir: Path, reference_model: Any, model: Any) -> Dict
     save_pretrained -> from_pretrained all give the in-memory model's packed weights and quant
     states, the packed nested_offset exactly.
 
-    On a CPU with AVX512-BF16, bitsandbytes (0.49.2 and 0.50.2 measured) repacks an in-memory 4-bit layer for its CPU
-    kernel at the first inference forward (absmax to bfloat16) and its ``state_dict()`` converts back
-    with a lossy re-quantization: upstream behaviour that the dispatched model's in-memory layers share
-    with the reference. So the expected state is what the reference gives after its forwards, except
-    for the offloaded layers, whose weights must still be exactly what was loaded. Elsewhere the
-    two are the same."""
+    On a CPU with AVX512-BF16, bitsandbytes (0.49.2 and 0.50.2 measured) repacks an in-memory
+    4-bit layer for its CPU kernel at the first inference forward (absmax to bfloat16) and its
+    ``state_dict()`` converts back with a lossy re-quantization: upstream behaviour that the
+    dispatched model's in-memory layers share with the reference. So the expected state is what the
+    reference gives after its forwards, except for the offloaded layers, whose weights must still be
+    exactly what was loaded. Elsewhere the two are the same."""
     from accelerate.utils.modeling import get_state_dict_offloaded_model
     from transformers import AutoModelForCausalLM
 
