@@ -15,6 +15,7 @@ Rounds are interleaved (after one untimed warm-up load of each kind) and medians
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import tempfile
@@ -32,6 +33,19 @@ def _device_map(layers: int) -> Dict[str, str]:
     for i in range(layers):
         device_map[f"model.layers.{i}"] = "cpu" if i < layers // 2 else "disk"
     return device_map
+
+
+def _load_seconds(load) -> float:
+    """One load, timed as timeit does: the garbage of earlier rounds (whole models) collected
+    first and the cyclic collector off during the call, so a collection never lands on one side."""
+    gc.collect()
+    gc.disable()
+    try:
+        started = time.perf_counter()
+        load()
+        return time.perf_counter() - started
+    finally:
+        gc.enable()
 
 
 def _forward_seconds(model, ids, repeats: int = 3) -> float:
@@ -73,19 +87,21 @@ def main() -> None:
     PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(checkpoint), adapter)
     PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(
         checkpoint, device_map=device_map, offload_folder=str(work / "offload-warm-up")), adapter)
-    for n in range(args.rounds):
-        base = AutoModelForCausalLM.from_pretrained(checkpoint)
-        started = time.perf_counter()
-        PeftModel.from_pretrained(base, adapter)
-        times["load in-memory"].append(time.perf_counter() - started)
-
-        offload = work / f"offload{n}"
-        base = AutoModelForCausalLM.from_pretrained(checkpoint, device_map=device_map, offload_folder=str(offload))
-        bare = AutoModelForCausalLM.from_pretrained(checkpoint, device_map=device_map, offload_folder=str(offload))
+    # Every base is loaded (and its offload folder written and flushed) before any timing: the
+    # disk write-back of a fresh offload folder otherwise lands on the timed loads at random.
+    bases = [(AutoModelForCausalLM.from_pretrained(checkpoint),
+              AutoModelForCausalLM.from_pretrained(checkpoint, device_map=device_map,
+                                                   offload_folder=str(work / f"offload{n}")),
+              AutoModelForCausalLM.from_pretrained(checkpoint, device_map=device_map,
+                                                   offload_folder=str(work / f"offload{n}")))
+             for n in range(args.rounds)]
+    os.sync()
+    for in_memory_base, base, bare in bases:
+        times["load in-memory"].append(_load_seconds(lambda: PeftModel.from_pretrained(in_memory_base, adapter)))
         before = _listing(work, True)
-        started = time.perf_counter()
-        model = PeftModel.from_pretrained(base, adapter).eval()
-        times["load offloaded"].append(time.perf_counter() - started)
+        loaded = []
+        times["load offloaded"].append(_load_seconds(lambda: loaded.append(PeftModel.from_pretrained(base, adapter))))
+        model = loaded[0].eval()
         written += sorted(_listing(work, True) - before)
         times["fwd base offloaded"].append(_forward_seconds(bare.eval(), ids))
         times["fwd peft offloaded"].append(_forward_seconds(model, ids))
