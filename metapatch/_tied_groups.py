@@ -198,8 +198,9 @@ class Placement:
                  parameter_names: Optional[Iterable[str]] = None) -> None:
         self.model = model
         # Every parameter name (as all_parameters names them), when the caller has walked them
-        # already: counting the parameters under a key is then a range of a sorted list.
-        self._parameter_names = sorted(parameter_names) if parameter_names is not None else None
+        # already: counting the parameters under a key is then a range of a sorted list (sorted on
+        # first use, like the indexes below).
+        self._given_parameter_names = parameter_names
         self.map: Dict[str, Any] = dict(device_map)
         self.groups = [g for g in groups if len(g) > 1]
         self.sizes = sizes if sizes is not None else {}
@@ -227,6 +228,11 @@ class Placement:
     @cached_property
     def group_of(self) -> Dict[str, int]:
         return {member: index for index, group in enumerate(self.groups) for member in group}
+
+    @cached_property
+    def _parameter_names(self) -> Optional[List[str]]:
+        names = self._given_parameter_names
+        return sorted(names) if names is not None else None
 
     @cached_property
     def _sorted_members(self) -> List[str]:
