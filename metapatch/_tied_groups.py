@@ -279,6 +279,7 @@ class Placement:
         return out
 
     def _split_now(self, group: Group) -> bool:
+        """One group's check of :meth:`violations` (which is written flat for its full passes)."""
         devices = {self.device(m) for m in group}
         devices.discard(None)
         return len(devices) > 1
@@ -420,7 +421,7 @@ class Placement:
                 before = {m: self.device(m) for m in group}
                 if all(self._follow(m, home) for m in group[1:] if self.device(m) not in (None, home)):
                     self.moves.extend((m, group[0], before[m], home) for m in group[1:] if before[m] != home)
-                elif len({self.device(m) for m in group} - {None}) > 1:
+                elif self._split_now(group):
                     self._demote(group)
                     after = self.device(group[0])
                     self.moves.extend((m, group[0], before[m], after) for m in group if before[m] != after)
