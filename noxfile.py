@@ -3,7 +3,7 @@
 * ``tests(env=...)``: the whole suite in strict mode (a stale or failed patch is an error) on each
   matrix pair, after checking that `metapatch status` reports no stale or failed patch once every
   target is imported;
-* ``gate(stack=...)``: strict ``metapatch status --import-targets`` and ``metapatch selftest --json``
+* ``gate(stack=...)``: strict ``metapatch status --import-targets`` and ``metapatch selftest --json --all``
   on stacks between and before the matrix pairs (``GATE_STACKS``), so that the declared support
   window is exercised beyond the three pairs;
 * ``framework(python=...)``: the registry and CLI tests on the oldest and newest supported Python,
@@ -96,7 +96,8 @@ def gate(session, stack):
     runs = []
     for number, lane in enumerate(lanes):
         report = open(os.path.join(tmp, f"selftest-{stack}-{number}.json"), "w")
-        command = [os.path.join(session.bin, "metapatch"), "selftest", "--json"]
+        # Every scenario (the default is one per patch), one at a time per lane: the lanes fill the cores.
+        command = [os.path.join(session.bin, "metapatch"), "selftest", "--json", "--all", "--jobs", "1"]
         for pid in lane:
             command += ["--patch", pid]
         runs.append((subprocess.Popen(command, stdout=report, env=env), report))

@@ -188,9 +188,46 @@ def test_selftest_json_reports_na_with_its_own_status(synthetic, monkeypatch, ca
     assert code == data["exit_code"] == 0
 
 
+def _renamed(scenario, patch_id):
+    return Scenario(patch_id, scenario.name, scenario.function, expected_error=scenario.expected_error)
+
+
+def test_quick_selftest_runs_one_decisive_scenario_per_patch(synthetic, monkeypatch, capsys):
+    """The default run goes through each patch's scenarios until one applies here: an n/a scenario
+    is followed by the next, and a patch's later scenarios are not run once one has decided."""
+    first = [_renamed(synthetic["missing-class"], "patch-a"), _renamed(synthetic["works"], "patch-a"),
+             _renamed(synthetic["import-error"], "patch-a")]
+    second = [_renamed(synthetic["import-error"], "patch-b"), _renamed(synthetic["works"], "patch-b")]
+    code, out = _run_cli(monkeypatch, capsys, first + second, "--json", "--jobs", "2")
+    data = json.loads(out)
+    ran = [row["scenario"] for row in data["rows"]]
+    assert ran == ["patch-a/missing-class", "patch-a/works", "patch-b/import-error"]
+    assert data["selection"] == "one per patch"
+    assert code == data["exit_code"] == 1  # patch-b's decisive scenario failed
+
+
+def test_all_runs_every_scenario_and_progress_goes_to_stderr(synthetic, monkeypatch, capsys):
+    import metapatch.selftest as selftest_package
+
+    chosen = [_renamed(synthetic["works"], "patch-a"), _renamed(synthetic["works"], "patch-b"),
+              _renamed(synthetic["missing-class"], "patch-b")]
+    monkeypatch.setattr(selftest_package, "all_scenarios", lambda: list(chosen))
+    parser = argparse.ArgumentParser()
+    selftest.add_arguments(parser)
+    code = selftest.run(parser.parse_args(["--all", "--jobs", "2"]))
+    captured = capsys.readouterr()
+    rows = [line.split()[0] for line in captured.out.splitlines()[1:-1]]
+    assert sorted(rows) == ["patch-a/works", "patch-b/missing-class", "patch-b/works"]
+    assert captured.out.splitlines()[-1].startswith("3 scenarios in")
+    progress = [line for line in captured.err.splitlines() if line.startswith("[")]
+    assert [line.split("]")[0] for line in progress] == ["[1/3", "[2/3", "[3/3"]
+    assert "s left" in progress[0] and "s left" not in progress[-1]
+    assert code == 0
+
+
 def test_selftest_import_error_still_fails_the_run(synthetic, monkeypatch, capsys):
     code, out = _run_cli(monkeypatch, capsys, [synthetic["missing-class"], synthetic["import-error"],
-                                               synthetic["missing-submodule"]], "--json")
+                                               synthetic["missing-submodule"]], "--json", "--all")
     rows = {row["scenario"]: row for row in json.loads(out)["rows"]}
     assert rows["synthetic-patch/import-error"]["verdict"] == "FAILED"
     assert rows["synthetic-patch/missing-submodule"]["verdict"] == "FAILED"

@@ -4,17 +4,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
-HELP = ("run every shipped reproducer against the installed versions, each in a subprocess without and "
-        "with metapatch, and show whether metapatch fixes it here (exit 0 only when every scenario passes "
-        "with metapatch; scenarios that do not apply to the installed versions are reported n/a and do not "
-        "change the exit code)")
+HELP = ("run the shipped reproducers against the installed versions, each in a subprocess without and "
+        "with metapatch, and show whether metapatch fixes them here: by default one scenario per patch (the "
+        "first that applies to the installed versions), two at a time; --all runs every scenario (exit 0 "
+        "only when every scenario run passes with metapatch; scenarios that do not apply to the installed "
+        "versions are reported n/a and do not change the exit code)")
 
-EPILOG = """verdicts:
+EPILOG = """selection:
+  (default)        one scenario per patch: its scenarios in order until one applies here (not n/a,
+                   not skipped), so every patch's bug and fix is reproduced on this install
+  --all            every scenario (what CI runs); --include-slow adds the test suite's slow variants
+  --patch/--scenario  exactly the scenarios named
+
+verdicts:
   fixed            affected install: fails without metapatch, passes with it
   not reproduced   affected install, but the unpatched run passed on this machine (the fix is still checked)
   passes           the scenario passes with and without metapatch (a regression guard, or not affected)
@@ -50,8 +59,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="only the scenarios of this patch id (repeatable)")
     parser.add_argument("--scenario", action="append", metavar="KEY", default=[],
                         help="only this scenario, as PATCH_ID/NAME or NAME (repeatable)")
+    parser.add_argument("--all", action="store_true", dest="run_all",
+                        help="every scenario, not one per patch (what CI runs)")
     parser.add_argument("--include-slow", action="store_true",
-                        help="also run the slow variants the test suite runs (in_selftest=False)")
+                        help="also run the slow variants the test suite runs (in_selftest=False); implies --all")
+    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), metavar="N",
+                        help="scenarios run at once, each its own pair of subprocesses (default: 2, or 1 on one core)")
     parser.add_argument("--timeout", type=float, default=300, metavar="SECONDS",
                         help="per run (default 300)")
 
@@ -225,6 +238,79 @@ def exit_code(rows: Sequence[Row]) -> int:
     return 0 if all(r.ok for r in rows) else 1
 
 
+def _decisive(row: Row) -> bool:
+    """A row that shows this install's behaviour: a scenario that could not run here (n/a, a missing
+    package) says nothing, so the quick run goes on to the patch's next scenario."""
+    return not row.not_applicable and row.verdict != "skipped"
+
+
+def chains(scenarios: Sequence[Any], quick: bool) -> List[List[Any]]:
+    """Units of work for the lanes. Quick: one chain per patch (its scenarios in declared order, run
+    until one is decisive); otherwise every scenario is its own chain and always runs."""
+    if not quick:
+        return [[s] for s in scenarios]
+    by_patch: Dict[str, List[Any]] = {}
+    for scenario in scenarios:
+        by_patch.setdefault(scenario.patch_id, []).append(scenario)
+    return list(by_patch.values())
+
+
+class Progress:
+    """One line per finished chain on stderr: how many are done, and an estimate of the time left
+    from the mean chain time so far, divided over the lanes."""
+
+    def __init__(self, total: int, jobs: int, enabled: bool) -> None:
+        self.total, self.jobs, self.enabled = total, jobs, enabled
+        self.done, self.busy, self.started = 0, 0.0, time.perf_counter()
+
+    def finished(self, rows: Sequence[Row], seconds: float) -> None:
+        self.done += 1
+        self.busy += seconds
+        if not self.enabled:
+            return
+        left = self.total - self.done
+        estimate = self.busy / self.done * left / self.jobs
+        last = rows[-1]
+        tail = f", about {estimate:.0f} s left" if left else ""
+        print(f"[{self.done}/{self.total}] {last.scenario}: {last.verdict} ({seconds:.0f} s; "
+              f"{time.perf_counter() - self.started:.0f} s so far{tail})", file=sys.stderr, flush=True)
+
+
+def run_chains(work: List[List[Any]], quick: bool, jobs: int, registry: Any, timeout: float,
+               on_row: Any, progress: Progress) -> List[Row]:
+    """Run the chains on ``jobs`` threads (each with its own warm parent); rows come back in the
+    order the scenarios were given, whatever order they finished in."""
+    order = {s.key: n for n, chain in enumerate(work) for s in chain}
+    rows: List[Row] = []
+    lock = threading.Lock()
+    pending = list(enumerate(work))
+
+    def lane() -> None:
+        while True:
+            with lock:
+                if not pending:
+                    return
+                _, chain = pending.pop(0)
+            started, done = time.perf_counter(), []
+            for scenario in chain:
+                row = run_one(scenario, registry, timeout)
+                done.append(row)
+                with lock:
+                    rows.append(row)
+                    on_row(row)
+                if quick and _decisive(row):
+                    break
+            with lock:
+                progress.finished(done, time.perf_counter() - started)
+
+    threads = [threading.Thread(target=lane, daemon=True) for _ in range(max(1, min(jobs, len(work))))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return sorted(rows, key=lambda r: (order[r.scenario], r.scenario))
+
+
 def run(args: argparse.Namespace) -> int:
     import metapatch
     from metapatch.selftest import all_scenarios
@@ -235,21 +321,30 @@ def run(args: argparse.Namespace) -> int:
               + (f" --patch {' '.join(args.patch)}" if args.patch else "")
               + (f" --scenario {' '.join(args.scenario)}" if args.scenario else ""), file=sys.stderr)
         return 2
+    # Named scenarios are run as named; a bare `metapatch selftest` is the quick tour.
+    quick = not (args.run_all or args.include_slow or args.patch or args.scenario)
+    work = chains(scenarios, quick)
+    jobs = max(1, args.jobs)
     started = time.perf_counter()
-    rows: List[Row] = []
     if not args.json:
+        what = (f"one scenario per patch ({len(work)} patches, {len(scenarios)} scenarios in all; --all runs every one)"
+                if quick else f"{len(scenarios)} scenarios")
+        print(f"metapatch selftest: {what}, {jobs} at a time", file=sys.stderr, flush=True)
         print(format_line([c.upper() for c in COLUMNS]), flush=True)
-    for scenario in scenarios:  # one at a time: the reproducers are CPU-bound and meant for small machines
-        row = run_one(scenario, metapatch.registry, args.timeout)
-        rows.append(row)
+
+    def on_row(row: Row) -> None:
         if not args.json:
             print(format_line(cells(row)), flush=True)
             for line in format_details(row):
                 print(line, flush=True)
+
+    progress = Progress(len(work), jobs, enabled=True)
+    rows = run_chains(work, quick, jobs, metapatch.registry, args.timeout, on_row, progress)
     elapsed = time.perf_counter() - started
     if args.json:
         print(json.dumps({"rows": [asdict(r) for r in rows], "seconds": round(elapsed, 2),
-                          "exit_code": exit_code(rows), "metapatch": metapatch.__version__}, indent=2, default=str))
+                          "exit_code": exit_code(rows), "metapatch": metapatch.__version__,
+                          "selection": "one per patch" if quick else "all"}, indent=2, default=str))
     else:
         print(summary_line(rows, elapsed))
     return exit_code(rows)

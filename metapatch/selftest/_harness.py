@@ -165,19 +165,20 @@ class _WarmParent:
         return reply["rc"], reply["timed_out"], log.read_text(errors="replace") if log.exists() else ""
 
 
-_WARM: Optional[_WarmParent] = None
+_WARM = threading.local()  # one warm parent per thread: a parent serves one run at a time
 
 
 def _warm_parent() -> Optional[_WarmParent]:
-    """The shared warm parent, or None where forking is off (METAPATCH_SELFTEST_FORK=0), impossible
-    (no os.fork) or broken - then every run starts a fresh interpreter, slower but equivalent."""
-    global _WARM
+    """This thread's warm parent, or None where forking is off (METAPATCH_SELFTEST_FORK=0), impossible
+    (no os.fork) or broken - then every run starts a fresh interpreter, slower but equivalent. Each
+    thread gets its own parent, so ``metapatch selftest --jobs 2`` runs two scenarios at once."""
     if os.environ.get("METAPATCH_SELFTEST_FORK", "1") == "0" or not hasattr(os, "fork"):
         return None
-    if _WARM is not None and _WARM.proc.poll() is None:
-        return _WARM
+    parent = getattr(_WARM, "parent", None)
+    if parent is not None and parent.proc.poll() is None:
+        return parent
     try:
-        _WARM = _WarmParent()
+        _WARM.parent = _WarmParent()
     except Exception:  # noqa: BLE001 - torch missing or the parent failed: fall back, do not fail
-        _WARM = None
-    return _WARM
+        _WARM.parent = None
+    return _WARM.parent
