@@ -101,6 +101,9 @@ def _place_tensors(model: Any, device_map: Dict[str, Any], sources: Dict[str, An
     return weights
 
 
+_NOT_A_PLACEMENT = {"offload_dir"}
+
+
 def redispatch(model: Any, captured: Dict[int, Tuple[Any, Dict[str, Any]]], options: Dict[str, Any]) -> None:
     import torch
     from accelerate import dispatch_model
@@ -108,7 +111,9 @@ def redispatch(model: Any, captured: Dict[int, Tuple[Any, Dict[str, Any]]], opti
 
     base = base_model_of(model)
     sources = _sources_by_name(model, captured)
-    if not options and _keep_current_dispatch(model, base, sources):
+    # offload_dir alone asks for no placement: it names where tensors newly sent to disk would go,
+    # and keeping the base's dispatch sends none there (peft's own error message tells users to pass it).
+    if not (set(options) - _NOT_A_PLACEMENT) and _keep_current_dispatch(model, base, sources):
         return
     _remove_hooks(model)
     device_map = new_placement(model, base, options)

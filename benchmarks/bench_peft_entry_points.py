@@ -1,0 +1,127 @@
+"""Benchmark: adapter loading over an offloaded base, on each call as users write it (not part of
+the test suite).
+
+One row per entry point, each written as the public reports and peft's / transformers' docs write
+it; every row times the same call over an in-memory base and over a base dispatched with half its
+decoder layers on disk, and reports the ratio of the medians with the spread (min-max) of each side:
+
+* ``PeftModel.from_pretrained(base, adapter)``
+* ``PeftModel.from_pretrained(base, adapter, offload_dir=DIR)`` (what peft's own error message asks for)
+* ``PeftModel.from_pretrained(base, adapter, is_trainable=True)``
+* ``PeftModel.from_pretrained(base, adapter, device_map="auto", offload_dir=DIR)`` (a second placement asked for)
+* ``PeftModel.from_pretrained(base, adapter)`` then ``.load_adapter(adapter2, "second")`` (several adapters)
+* transformers' ``base.load_adapter(adapter)``
+
+Goal (issue 26): <= 1.20 in every row. Rounds are interleaved row by row and side by side, after one
+untimed warm-up of each row; every base is loaded (and its offload folder flushed) before timing.
+
+    python benchmarks/bench_peft_entry_points.py [--hidden 256] [--layers 8] [--rounds 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Tuple
+
+import metapatch  # noqa: F401 - the patches under test
+from metapatch.selftest._models import save_tiny_llama
+from metapatch.selftest.peft_offload import save_adapter
+
+
+def _device_map(layers: int) -> Dict[str, str]:
+    device_map = {"model.embed_tokens": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    for i in range(layers):
+        device_map[f"model.layers.{i}"] = "cpu" if i % 2 == 0 else "disk"
+    return device_map
+
+
+def _seconds(call: Callable[[], object]) -> float:
+    gc.collect()
+    gc.disable()
+    try:
+        started = time.perf_counter()
+        call()
+        return time.perf_counter() - started
+    finally:
+        gc.enable()
+
+
+def _rows(adapter: Path, second: Path, work: Path) -> List[Tuple[str, Callable]]:
+    from peft import PeftModel
+
+    def two_adapters(base):
+        model = PeftModel.from_pretrained(base, adapter)
+        model.load_adapter(second, adapter_name="second")
+
+    return [
+        ("PeftModel.from_pretrained(base, adapter)", lambda base: PeftModel.from_pretrained(base, adapter)),
+        ("... offload_dir=DIR", lambda base: PeftModel.from_pretrained(
+            base, adapter, offload_dir=str(work / "peft-offload"))),
+        ("... is_trainable=True", lambda base: PeftModel.from_pretrained(base, adapter, is_trainable=True)),
+        ('... device_map="auto", offload_dir=DIR', lambda base: PeftModel.from_pretrained(
+            base, adapter, device_map="auto", offload_dir=str(work / "peft-offload-auto"))),
+        ("... then .load_adapter(adapter2)", two_adapters),
+        ("transformers base.load_adapter(adapter)", lambda base: base.load_adapter(str(adapter))),
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds per row (median taken; at least 5)")
+    args = parser.parse_args()
+    if args.rounds < 5:
+        parser.error("--rounds must be at least 5")
+
+    from transformers import AutoModelForCausalLM
+
+    work = Path(tempfile.mkdtemp(prefix="bench-peft-entry-"))
+    os.chdir(work)
+    checkpoint = save_tiny_llama(work / "base", hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+                                 num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4)
+    adapter = save_adapter("llama", checkpoint, work / "adapter", seed=3)
+    second = save_adapter("llama", checkpoint, work / "adapter2", seed=4)
+    device_map = _device_map(args.layers)
+    rows = _rows(adapter, second, work)
+    folders = iter(range(10 ** 6))
+
+    def bases(count: int):
+        made = [(AutoModelForCausalLM.from_pretrained(checkpoint),
+                 AutoModelForCausalLM.from_pretrained(checkpoint, device_map=device_map,
+                                                      offload_folder=str(work / f"offload{next(folders)}")))
+                for _ in range(count)]
+        os.sync()
+        return made
+
+    for _, call in rows:  # warm-up: lazy imports and first-call set-up off the clock
+        for base in bases(1)[0]:
+            call(base)
+    times: Dict[str, Dict[str, List[float]]] = {name: {"in-memory": [], "offloaded": []} for name, _ in rows}
+    for _ in range(args.rounds):
+        for name, call in rows:
+            in_memory, offloaded = bases(1)[0]
+            times[name]["in-memory"].append(_seconds(lambda: call(in_memory)))
+            times[name]["offloaded"].append(_seconds(lambda: call(offloaded)))
+
+    print(f"model: Llama hidden={args.hidden}, {args.layers} layers (every second one on disk), non-zero LoRA r=4 "
+          f"on q/v/o/down_proj; {args.rounds} interleaved rounds per row, medians (min-max)")
+    print(f"{'call':<44}{'in-memory base':>22}{'offloaded base':>22}{'ratio':>7}")
+    for name, _ in rows:
+        sides = times[name]
+        cells = []
+        for side in ("in-memory", "offloaded"):
+            values = sides[side]
+            cells.append(f"{statistics.median(values) * 1e3:.1f} ({min(values) * 1e3:.0f}-{max(values) * 1e3:.0f}) ms")
+        ratio = statistics.median(sides["offloaded"]) / statistics.median(sides["in-memory"])
+        print(f"{name:<44}{cells[0]:>22}{cells[1]:>22}{ratio:>7.2f}")
+
+
+if __name__ == "__main__":
+    main()
