@@ -18,8 +18,9 @@ HELP = ("run the shipped reproducers against the installed versions, each in a s
         "versions are reported n/a and do not change the exit code)")
 
 EPILOG = """selection:
-  (default)        one scenario per patch: its scenarios in order until one applies here (not n/a,
-                   not skipped), so every patch's bug and fix is reproduced on this install
+  (default)        one scenario per patch: its scenarios in order until one decides here (not n/a,
+                   not skipped, not "not reproduced"), so every patch's bug and fix is reproduced on
+                   this install where a scenario shows it
   --all            every scenario (what CI runs); --include-slow adds the test suite's slow variants
   --patch/--scenario  exactly the scenarios named
 
@@ -240,8 +241,9 @@ def exit_code(rows: Sequence[Row]) -> int:
 
 def _decisive(row: Row) -> bool:
     """A row that shows this install's behaviour: a scenario that could not run here (n/a, a missing
-    package) says nothing, so the quick run goes on to the patch's next scenario."""
-    return not row.not_applicable and row.verdict != "skipped"
+    package) says nothing, and one whose bug did not show on this machine ("not reproduced") proves
+    the fix on nothing, so the quick run goes on to the patch's next scenario."""
+    return not row.not_applicable and row.verdict not in ("skipped", "not reproduced")
 
 
 def chains(scenarios: Sequence[Any], quick: bool) -> List[List[Any]]:
