@@ -104,13 +104,17 @@ def _plain(tensor: Any) -> bool:
 
 
 def _changed(before: Tuple[Any, int, int, Any, Any, Optional[Any]], now: Any) -> bool:
+    """Whether ``now`` holds another value than the snapshot ``before``. With a copy the values decide
+    (a write through ``.data`` bumps no ``_version``; a tensor replaced by an equal one is no change);
+    without one (a stand-in, a quantized class), any sign of a write does."""
     import torch
 
     tensor, pointer, version, shape, dtype, copy = before
-    if now is not tensor or now.is_meta or now.data_ptr() != pointer or now._version != version \
-            or now.shape != shape or now.dtype != dtype:
+    if now.is_meta or now.shape != shape or now.dtype != dtype:
         return True
-    return copy is not None and not torch.equal(now, copy)  # in place through .data: no _version bump
+    if copy is not None:
+        return not torch.equal(now, copy)
+    return now is not tensor or now.data_ptr() != pointer or now._version != version
 
 
 _CURRENT: "contextvars.ContextVar[Optional[Operation]]" = contextvars.ContextVar("metapatch_offload_operation",
