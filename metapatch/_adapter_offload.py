@@ -33,20 +33,14 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator, List, Optional, Tuple
 
+from metapatch import _offload_store
 from metapatch._records import MetapatchError
 
 
 def offload_hook(module: Any) -> Optional[Any]:
     """The accelerate ``AlignDevicesHook`` that offloads ``module``'s own weights, if any (also found
-    inside a ``SequentialHook``)."""
-    from accelerate.hooks import AlignDevicesHook, SequentialHook
-
-    hook = getattr(module, "__dict__", {}).get("_hf_hook")
-    hooks = list(hook.hooks) if isinstance(hook, SequentialHook) else [hook]
-    for candidate in hooks:
-        if isinstance(candidate, AlignDevicesHook) and candidate.offload and candidate.weights_map is not None:
-            return candidate
-    return None
+    inside a ``SequentialHook``): :func:`metapatch._offload_store.offload_hook`, the one reader."""
+    return _offload_store.offload_hook(module)
 
 
 def _held(hook: Any) -> bool:
@@ -89,27 +83,28 @@ def _keep_quant_states_for_backward(base_layer: Any) -> None:
 
 
 @contextlib.contextmanager
-def base_layer_onloaded(module: Any) -> Iterator[None]:
+def base_layer_onloaded(module: Any, what: str = "creating an adapter") -> Iterator[None]:
     """The base layer of ``module`` (a tuner layer or a plain layer) holds its real weights inside
-    the block, if it is offloaded; otherwise nothing happens."""
+    the block, if it is offloaded; otherwise nothing happens. What the block writes into them
+    (PiSSA's and OLoRA's residual, a merge) is kept for the offload hook to serve, or refused
+    (:class:`metapatch._offload_store.Operation`)."""
     base_layer = base_layer_of(module)
-    hook = offload_hook(base_layer)
-    if hook is None:
+    offloaded = [(sub, hook) for sub in base_layer.modules() for hook in (offload_hook(sub),) if hook is not None]
+    if not offloaded:
         yield
         return
-    _hold(base_layer, hook)
-    try:
+    with _offload_store.Operation(what) as operation:
+        for sub, hook in offloaded:
+            operation.onload(sub, hook)
         yield
-    finally:
-        _release(base_layer, hook)
 
 
 @contextlib.contextmanager
-def base_layer_stood_in(module: Any) -> Iterator[None]:
+def base_layer_stood_in(module: Any, what: str = "creating an adapter") -> Iterator[None]:
     """The offloaded tensors of ``module``'s base layer are stood in for, inside the block, by
-    uninitialised tensors of the same shape and dtype on the hook's execution device; the offloaded
-    values are never read (a disk-offloaded layer costs no file read) and the original meta tensors
-    are put back afterwards. Only for code that reads where and what the base weight is, never its
+    uninitialised tensors of the same shape and dtype on the hook's execution device
+    (:func:`metapatch._offload_store.stood_in`: the offloaded values are never read, a write into a
+    stand-in is refused). Only for code that reads where and what the base weight is, never its
     values (a LoRA layer created with a value-free initialisation): anything else must use
     :func:`base_layer_onloaded`. Falls back to it for tensors of a class other than ``Parameter``
     and ``Tensor`` (quantized weights carry state an empty tensor lacks)."""
@@ -120,21 +115,14 @@ def base_layer_stood_in(module: Any) -> Iterator[None]:
     if hook is None or _held(hook):
         yield
         return
-    stood_in = [(store, name, tensor) for sub in base_layer.modules() for store in (sub._parameters, sub._buffers)
-                for name, tensor in store.items() if tensor is not None and tensor.device.type == "meta"]
-    if any(type(tensor) not in (torch.nn.Parameter, torch.Tensor) for _, _, tensor in stood_in):
-        with base_layer_onloaded(module):
+    tensors = [tensor for sub in base_layer.modules() for store in (sub._parameters, sub._buffers)
+               for tensor in store.values() if tensor is not None and tensor.device.type == "meta"]
+    if any(type(tensor) not in (torch.nn.Parameter, torch.Tensor) for tensor in tensors):
+        with base_layer_onloaded(module, what):
             yield
         return
-    device = execution_device(module)
-    for store, name, tensor in stood_in:
-        empty = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
-        store[name] = torch.nn.Parameter(empty, tensor.requires_grad) if type(tensor) is torch.nn.Parameter else empty
-    try:
+    with _offload_store.stood_in(base_layer, execution_device(module), what):
         yield
-    finally:
-        for store, name, tensor in stood_in:
-            store[name] = tensor
 
 
 def base_layer_of(module: Any) -> Any:
@@ -286,7 +274,8 @@ def _keep_quant_state_of(module: Any) -> None:
     """An offloaded 4-bit layer gets a :class:`KeepQuantStateHook` in front of its offload hook."""
     from accelerate.hooks import SequentialHook
 
-    if getattr(getattr(module, "weight", None), "quant_state", None) is None or offload_hook(module) is None:
+    # The hook first: ``weight`` may be a property that computes (a TrainableTokensWrapper merges its delta).
+    if offload_hook(module) is None or getattr(getattr(module, "weight", None), "quant_state", None) is None:
         return
     hook = module.__dict__["_hf_hook"]
     hooks = list(hook.hooks) if isinstance(hook, SequentialHook) else [hook]

@@ -23,6 +23,9 @@ Here, for a model with accelerate offload hooks:
   (no weight is read or written again); an explicit ``device_map`` or ``max_memory`` passed to
   ``load_adapter`` there, a request for a new placement that cannot be honoured over weights that are
   already offloaded, is refused with a :class:`~metapatch._records.MetapatchError` saying what to do;
+* the load is one :class:`metapatch._offload_store.Operation`: a tensor the adapter brings for an offloaded
+  module (a saved embedding layer) is kept for that module's hook to serve (in CPU memory, nothing written),
+  not dropped at its next forward;
 * then the adapter tensors follow their base layer's offload hook (:mod:`metapatch._adapter_offload`, the
   mechanism ``peft-offload-redispatch`` uses): placed on the hook's execution device, the base layer
   held for the tuner layer's whole forward, anything still on ``meta`` refused with a ``MetapatchError``.
@@ -36,6 +39,7 @@ from __future__ import annotations
 import contextvars
 from typing import Any
 
+from metapatch import _offload_store
 from metapatch._records import MetapatchError, Patch, Target, Upstream
 
 PATCH_ID = "transformers-load-adapter-offload"
@@ -46,8 +50,9 @@ _KEEPING_PLACEMENT = contextvars.ContextVar("metapatch_load_adapter_keeps_placem
 
 
 def _is_offloaded(model: Any) -> bool:
-    """Dispatched by accelerate with weights offloaded (an offload hook somewhere, a map naming cpu/disk)."""
-    from metapatch._adapter_offload import offload_hook
+    """Dispatched by accelerate with weights offloaded (an offload hook somewhere, a map naming cpu/disk).
+    The map is read first: a model without one is left to upstream without a walk."""
+    from metapatch._offload_store import offload_hook
 
     device_map = getattr(model, "__dict__", {}).get("hf_device_map")
     if not isinstance(device_map, dict) or not OFFLOADED_DEVICES & set(map(str, device_map.values())):
@@ -105,7 +110,13 @@ def load_adapter(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     instance.__dict__["hf_device_map"] = _adapter_loading_map(saved)
     token = _KEEPING_PLACEMENT.set(True)
     try:
-        result = wrapped(*args, **kwargs)
+        # One store operation: a tensor the adapter brings for an offloaded module (a saved embedding
+        # layer; transformers 5 materialises it on cpu, 4.57's load_state_dict copies into meta) is kept
+        # for that module's hook to serve instead of being dropped at its next forward.
+        with _offload_store.Operation("model.load_adapter") as operation:
+            operation.watch_loads(instance)
+            result = wrapped(*args, **kwargs)
+            operation.adopt_materialised(instance)
     finally:
         _KEEPING_PLACEMENT.reset(token)
         instance.__dict__["hf_device_map"] = saved

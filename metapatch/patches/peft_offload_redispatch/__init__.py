@@ -23,6 +23,11 @@ Here:
   placed on the hook's execution device, never hooked themselves, and the base layer onloaded for
   the whole forward of the tuner layer (tuners that read ``base_layer.weight`` directly see its
   value);
+* what PEFT writes into an offloaded base layer meanwhile (PiSSA's and OLoRA's residual at creation and
+  when a saved adapter re-runs it, a merge, a saved embedding layer or ``modules_to_save`` tensor loaded
+  into an offloaded module) is kept for its hook to serve (:mod:`metapatch._offload_store`: an overlay
+  in CPU memory in front of the weights map, nothing written), or refused with a ``MetapatchError``
+  naming the tensor; a model with nothing offloaded is left to upstream, call for call;
 * upstream's re-dispatch is skipped (``hf_device_map`` is hidden from ``from_pretrained`` and
   ``load_adapter`` for the call, so the base keeps its hooks while the adapter is added), and
   metapatch re-dispatches instead: the current placement re-keyed for the wrapper, the offloaded base

@@ -39,8 +39,14 @@ def _source(weights_map: Any, key: str) -> Optional[Tuple[Any, Optional[str]]]:
     without loading it (Mapping's ``in`` would read the file)."""
     from accelerate.utils import OffloadedWeightsLoader, PrefixedDataset
 
+    from metapatch._offload_store import Overlay
+
     for _ in range(32):
-        if isinstance(weights_map, PrefixedDataset):
+        if isinstance(weights_map, Overlay):  # what an earlier operation wrote, in front of the old map
+            if key in weights_map.kept:
+                return weights_map.kept[key], None
+            weights_map = weights_map.previous
+        elif isinstance(weights_map, PrefixedDataset):
             weights_map, key = weights_map.dataset, weights_map.prefix + key
         elif isinstance(weights_map, OffloadedWeightsLoader):
             if key in weights_map.state_dict:

@@ -6,9 +6,9 @@ import contextlib
 import contextvars
 from typing import Any, Dict, Iterator
 
-from metapatch import _adapter_offload
+from metapatch import _adapter_offload, _offload_store
 
-from ._placement import base_model_of, is_offloaded
+from ._placement import is_offloaded
 from ._redispatch import redispatch
 from ._sources import capture_sources
 
@@ -64,11 +64,31 @@ def from_pretrained(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
     token = _ADDING.set(adding)
     try:
         with _hidden_device_map(model):
-            result = wrapped(*args, **kwargs)
+            result = _keeping_writes(model, "PeftModel.from_pretrained", wrapped, args, kwargs)
     finally:
         _ADDING.reset(token)
+    _offload_store.refresh_sources(adding.captured)
     redispatch(result, adding.captured, adding.options)
     return result
+
+
+def _keeping_writes(model: Any, what: str, wrapped: Any, args: tuple, kwargs: dict) -> Any:
+    """``wrapped`` as one store operation over ``model``: a tensor it loads into an offloaded module
+    (a saved embedding layer, ``modules_to_save``) is kept for that module's hook to serve."""
+    with _offload_store.Operation(what) as operation:
+        operation.watch_loads(model)
+        result = wrapped(*args, **kwargs)
+        operation.adopt_materialised(model)
+    return result
+
+
+def _base_of_wrapper(instance: Any) -> Any:
+    """The transformers model inside a PEFT wrapper, found through ``_modules`` only (no PEFT code
+    runs: a model with nothing offloaded sees exactly upstream's calls). ``PeftModel.base_model`` is
+    the tuner (its ``model`` the base) or, for prompt learning, the base itself."""
+    tuner = instance.__dict__.get("_modules", {}).get("base_model")
+    inner = getattr(tuner, "__dict__", {}).get("_modules", {}).get("model")
+    return inner if inner is not None else tuner
 
 
 def load_adapter(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -78,17 +98,18 @@ def load_adapter(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     if adding is not None:  # inside from_pretrained, which re-dispatches when the model is complete
         adding.options.update(_options(kwargs))
         return wrapped(*args, **kwargs)
-    base = base_model_of(instance)
-    if not is_offloaded(base):
+    base = _base_of_wrapper(instance)
+    if base is None or not is_offloaded(base):
         return wrapped(*args, **kwargs)
     adding = _Adding(capture_sources(instance))
     options = _options(kwargs)
     token = _ADDING.set(adding)
     try:
         with _hidden_device_map(base, instance):
-            result = wrapped(*args, **kwargs)
+            result = _keeping_writes(instance, "PeftModel.load_adapter", wrapped, args, kwargs)
     finally:
         _ADDING.reset(token)
+    _offload_store.refresh_sources(adding.captured)
     redispatch(instance, adding.captured, options)
     return result
 
@@ -99,7 +120,13 @@ def inject_adapter(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
     base weight, DoRA's norm for one, see real values; the adapter is placed on the execution
     device), then every tuner layer over an offloaded base follows its hook. Where the creation
     provably reads no base value, the base layer is only stood in for (no read of a disk-offloaded
-    weight: a third of what an adapter load over an offloaded base cost on top of upstream)."""
+    weight: a third of what an adapter load over an offloaded base cost on top of upstream). What a
+    creation writes into an onloaded base layer (PiSSA's and OLoRA's residual) is kept for its hook
+    to serve (:mod:`metapatch._offload_store`). A model with nothing offloaded is left to upstream
+    untouched: no walk, no attribute read."""
+    model = args[0] if args else kwargs.get("model")
+    if not _may_be_offloaded(model):
+        return wrapped(*args, **kwargs)
     tuner_create = instance._create_and_replace
 
     def create_and_replace(*c_args: Any, **c_kwargs: Any) -> Any:
@@ -107,10 +134,11 @@ def inject_adapter(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
         if target is None:
             return tuner_create(*c_args, **c_kwargs)
         config = c_args[0] if c_args else next((v for k, v in c_kwargs.items() if k.endswith("config")), None)
+        what = f"creating the {type(instance).__name__} adapter over {type(target).__name__}"
         if _reads_no_base_value(instance, config, target):
-            with _adapter_offload.base_layer_stood_in(target):
+            with _adapter_offload.base_layer_stood_in(target, what):
                 return tuner_create(*c_args, **c_kwargs)
-        with _adapter_offload.base_layer_onloaded(target):
+        with _adapter_offload.base_layer_onloaded(target, what):
             return tuner_create(*c_args, **c_kwargs)
 
     instance.__dict__["_create_and_replace"] = create_and_replace
@@ -120,6 +148,20 @@ def inject_adapter(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
         instance.__dict__.pop("_create_and_replace", None)
     _adapter_offload.follow_base_layer_hooks(instance.model, allow_meta=_created_empty(args, kwargs))
     return result
+
+
+def _may_be_offloaded(model: Any) -> bool:
+    """Whether accelerate may offload part of ``model``, from the model object alone: a device map
+    with an offloaded entry (as ``dispatch_model`` decides: ``disk``, or ``cpu`` beside an
+    accelerator), or an accelerate hook on the model itself without a map (``cpu_offload``), or an
+    entry point that found it offloaded is running."""
+    if _offload_store.current() is not None or _ADDING.get() is not None:
+        return True  # inside an entry point that found the model offloaded (and hid its map)
+    state = getattr(model, "__dict__", {})
+    device_map = state.get("hf_device_map")
+    if isinstance(device_map, dict):
+        return _offload_store.map_offloads(device_map)
+    return "_hf_hook" in state
 
 
 # LoRA's initialisations that draw or zero the adapter without looking at the base weight; every
@@ -171,6 +213,8 @@ def move_adapter(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     values would be lost, and where loading it would be a no-op)."""
     device = args[1] if len(args) > 1 else kwargs.get("device")
     adapter_name = args[0] if args else kwargs.get("adapter_name")
+    if _offload_store.offload_hook(_offload_store.innermost_base_layer(instance)) is None:
+        return wrapped(*args, **kwargs)  # the base layer is not offloaded: upstream, untouched
     if device is None and adapter_name is not None \
             and _adapter_offload.move_adapter_to_execution_device(instance, adapter_name):
         return None

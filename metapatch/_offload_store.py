@@ -1,0 +1,344 @@
+"""The one offload store: what an operation writes into an accelerate-offloaded module is kept, or refused.
+
+accelerate serves an offloaded module's tensors from its hook's ``weights_map`` and puts ``meta``
+placeholders back after every forward. metapatch's workarounds onload such a module, let upstream run an
+operation over real tensors (create or load an adapter, merge it, ...) and offload it again. Upstream
+sometimes *writes* the base weights in that operation: PiSSA/OLoRA replace ``base_layer.weight`` by the
+residual ``W - s·B·A``, a merge adds the delta in place, a saved embedding layer is loaded into the
+base. Offloading again throws every such write away, because the hook serves ``weights_map``: the model
+silently computes with the old weights.
+
+Here every such operation goes through :class:`Operation`. A module onloaded by it is snapshotted (each
+tensor's object, storage pointer, ``_version`` and, where values matter, a copy: writes through
+``.data`` do not bump ``_version``), and when the operation ends every tensor that changed (replaced,
+``.data`` reassigned, written in place, reshaped) is kept: a CPU copy goes into an :class:`Overlay` put in
+front of the hook's ``weights_map``, which the hook serves from then on. The user's offload folder and
+checkpoint are never written. A change that cannot be kept (a quantized tensor class, a write into a
+stand-in that never held the real value) raises :class:`~metapatch._records.MetapatchError` naming the
+tensor. :meth:`Operation.adopt_materialised` keeps tensors an operation loaded into an offloaded module's
+placeholders without onloading it (transformers' loader materialises them on ``cpu``), and
+:meth:`Operation.watch_loads` onloads an offloaded module just before ``load_state_dict`` copies into it
+(a copy into a ``meta`` placeholder is a no-op).
+
+This module is also the one reader of accelerate's hook state (:func:`offload_hook`). Nothing here
+imports accelerate before a hook exists: a process that never imported ``accelerate.hooks`` has none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import sys
+from collections.abc import Mapping
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+from metapatch._records import MetapatchError
+
+
+def _hooks_module() -> Any:
+    return sys.modules.get("accelerate.hooks")
+
+
+def offload_hook(module: Any) -> Optional[Any]:
+    """The accelerate ``AlignDevicesHook`` that offloads ``module``'s own tensors (also inside a
+    ``SequentialHook``), or None. Reads only ``module.__dict__``: no attribute of the module runs."""
+    hooks_module = _hooks_module()
+    hook = getattr(module, "__dict__", {}).get("_hf_hook")
+    if hooks_module is None or hook is None:
+        return None
+    chain = hook.hooks if isinstance(hook, hooks_module.SequentialHook) else (hook,)
+    for candidate in chain:
+        if isinstance(candidate, hooks_module.AlignDevicesHook) and candidate.offload \
+                and candidate.weights_map is not None:
+            return candidate
+    return None
+
+
+def hook_tensors(module: Any, hook: Any) -> List[Tuple[str, Any]]:
+    """(name, tensor) of what ``hook`` loads and offloads on ``module``, named as its weights map names them."""
+    from accelerate.utils import named_module_tensors
+
+    return list(named_module_tensors(module, include_buffers=hook.offload_buffers, recurse=hook.place_submodules,
+                                     remove_non_persistent=True))
+
+
+class Overlay(Mapping):
+    """A hook's weights map once an operation wrote into its module: the kept tensors (CPU memory) in
+    front of the previous map, which still serves everything else and is only ever read."""
+
+    def __init__(self, previous: Any) -> None:
+        self.kept: Dict[str, Any] = {}
+        self.previous = previous
+
+    def __getitem__(self, key: str) -> Any:
+        if key in self.kept:
+            return self.kept[key]
+        if self.previous is None:
+            raise KeyError(key)
+        return self.previous[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.kept or (self.previous is not None and key in self.previous)
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self.kept
+        if self.previous is not None:
+            yield from (key for key in self.previous if key not in self.kept)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+def keep(hook: Any, name: str, tensor: Any) -> None:
+    """``hook`` serves ``tensor`` (copied to CPU memory) for ``name`` from now on."""
+    overlay = hook.weights_map
+    if not isinstance(overlay, Overlay):
+        overlay = hook.weights_map = Overlay(overlay)
+    overlay.kept[name] = tensor.detach().to("cpu", copy=True)
+
+
+def _plain(tensor: Any) -> bool:
+    import torch
+
+    return type(tensor) in (torch.nn.Parameter, torch.Tensor)
+
+
+def _changed(before: Tuple[Any, int, int, Any, Any, Optional[Any]], now: Any) -> bool:
+    """Whether ``now`` holds another value than the snapshot ``before``. With a copy the values decide
+    (a write through ``.data`` bumps no ``_version``; a tensor replaced by an equal one is no change);
+    without one (a stand-in, a quantized class), any sign of a write does."""
+    import torch
+
+    tensor, pointer, version, shape, dtype, copy = before
+    if now.is_meta or now.shape != shape or now.dtype != dtype:
+        return True
+    if copy is not None:
+        return not torch.equal(now, copy)
+    return now is not tensor or now.data_ptr() != pointer or now._version != version
+
+
+_CURRENT: "contextvars.ContextVar[Optional[Operation]]" = contextvars.ContextVar("metapatch_offload_operation",
+                                                                              default=None)
+
+
+def current() -> Optional["Operation"]:
+    """The innermost store operation running in this context, if any (an entry point that found the
+    model offloaded opened it: what runs inside may hide the model's device map meanwhile)."""
+    return _CURRENT.get()
+
+
+class Operation:
+    """One operation (what: its name, for messages) over offloaded modules. Use as a context manager:
+    at its end every module it onloaded is checked, its writes kept, and it is offloaded again."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.held: List[Tuple[Any, Any, Dict[str, Any]]] = []
+        self._handles: List[Any] = []
+        self._watchers: List[Any] = []
+        self._watched: List[Any] = []
+        self._token: Any = None
+
+    def __enter__(self) -> "Operation":
+        self._token = _CURRENT.set(self)
+        return self
+
+    def __exit__(self, kind: Any, value: Any, traceback: Any) -> None:
+        _CURRENT.reset(self._token)
+        self._stop_watching()
+        self.finish(kept=kind is None)
+
+    def holds(self, module: Any) -> bool:
+        return any(held is module for held, _, _ in self.held)
+
+    def onload(self, module: Any, hook: Optional[Any] = None, values: bool = True) -> bool:
+        """``module``'s real tensors on its hook's execution device until the operation ends; False
+        when it is not offloaded or already onloaded (by this operation or an enclosing hold)."""
+        from metapatch import _adapter_offload
+
+        hook = hook if hook is not None else offload_hook(module)
+        if hook is None or _adapter_offload._held(hook) or self.holds(module):
+            return False
+        _adapter_offload._hold(module, hook)
+        snapshot = {}
+        for name, tensor in hook_tensors(module, hook):
+            copy = tensor.detach().clone() if values and _plain(tensor) else None
+            snapshot[name] = (tensor, tensor.data_ptr(), tensor._version, tensor.shape, tensor.dtype, copy)
+        self.held.append((module, hook, snapshot))
+        return True
+
+    def finish(self, kept: bool = True) -> None:
+        """Keep what changed in every onloaded module (``kept``: False after upstream raised: the
+        module goes back as it was) and offload it again."""
+        from metapatch import _adapter_offload
+
+        held, self.held = self.held, []
+        refused = []
+        for module, hook, snapshot in reversed(held):
+            if kept:
+                current = dict(hook_tensors(module, hook))
+                for name, tensor in current.items():
+                    if name in snapshot and not _changed(snapshot[name], tensor):
+                        continue
+                    if not _plain(tensor):
+                        refused.append((module, name, tensor))
+                        continue
+                    keep(hook, name, tensor)
+            _adapter_offload._release(module, hook)
+        if refused:
+            module, name, tensor = refused[0]
+            raise MetapatchError(
+                f"metapatch: {self.what} wrote {type(module).__name__}.{name} (a {type(tensor).__name__}) of a "
+                f"module accelerate offloads, and a tensor of that class cannot be kept for the offload hook to "
+                f"serve; the offloaded model would silently keep the old value. Keep that module in memory "
+                f"(device_map) for this operation, or run it before dispatching the model.")
+
+    def adopt_materialised(self, model: Any) -> int:
+        """Tensors an operation put into an offloaded module's ``meta`` placeholders without onloading it
+        (a loader that materialises them): kept for the hook to serve, placeholders back on meta."""
+        from accelerate.utils import set_module_tensor_to_device
+
+        adopted = 0
+        for module in model.modules():
+            hook = offload_hook(module)
+            if hook is None or self.holds(module):
+                continue
+            from metapatch import _adapter_offload
+
+            if _adapter_offload._held(hook):
+                continue
+            for name, tensor in hook_tensors(module, hook):
+                if tensor.is_meta:
+                    continue
+                if not _plain(tensor):
+                    raise MetapatchError(
+                        f"metapatch: {self.what} loaded {type(module).__name__}.{name} (a {type(tensor).__name__}) "
+                        f"into a module accelerate offloads; a tensor of that class cannot be kept for the hook to "
+                        f"serve. Keep that module in memory (device_map).")
+                keep(hook, name, tensor)
+                set_module_tensor_to_device(module, name, "meta")
+                adopted += 1
+        return adopted
+
+    def watch_loads(self, model: Any) -> None:
+        """Until the operation ends, an offloaded module of ``model`` is onloaded by it just before a
+        ``load_state_dict`` writes one of its tensors (so the copy lands in a real tensor and is kept)."""
+        self._watched.append(model)
+        for module in model.modules():
+            hook = offload_hook(module)
+            if hook is not None:
+                watcher = _LoadWatcher(self, module, hook)
+                self._watchers.append(watcher)
+                self._handles.append(module._register_load_state_dict_pre_hook(watcher, with_module=True))
+
+    def _stop_watching(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if not self._watchers:
+            return
+        for watcher in self._watchers:
+            watcher._watching = None
+        self._watchers.clear()
+        # A module copied meanwhile (PEFT's modules_to_save deep-copies the module, hooks included)
+        # carries a watcher too: taken off as well, nothing of the operation stays behind.
+        for model in self._watched:
+            for module in model.modules():
+                hooks = module.__dict__.get("_load_state_dict_pre_hooks") or {}
+                for key in [k for k, v in hooks.items() if _is_watcher(v)]:
+                    del hooks[key]
+        self._watched.clear()
+
+
+class _LoadWatcher:
+    """A ``load_state_dict`` pre-hook of one offloaded module (see :meth:`Operation.watch_loads`);
+    inert on copies of the module and once its operation ended. (Its attribute names are its own:
+    torch's hook wrapper copies the hook's ``__dict__`` onto itself.)"""
+
+    def __init__(self, operation: Operation, owner: Any, hook: Any) -> None:
+        self._watching: Optional[Operation] = operation
+        self._watched_module = owner
+        self._watched_hook = hook
+
+    def __deepcopy__(self, memo: Any) -> "_LoadWatcher":
+        return self
+
+    def __call__(self, module: Any, state_dict: Any, prefix: str, *args: Any) -> None:
+        operation, hook = self._watching, self._watched_hook
+        if operation is None or module is not self._watched_module or offload_hook(module) is not hook:
+            return
+        if any(prefix + name in state_dict for name, _ in hook_tensors(module, hook)):
+            operation.onload(module, hook)
+
+
+def _is_watcher(entry: Any) -> bool:
+    return any(isinstance(getattr(entry, name, None), _LoadWatcher) for name in ("hook", "func", "__wrapped__"))
+
+
+@contextlib.contextmanager
+def operation(what: str) -> Iterator[Operation]:
+    with Operation(what) as op:
+        yield op
+
+
+def refresh_sources(captured: Dict[int, Tuple[Any, Dict[str, Any]]]) -> None:
+    """Sources captured from hooks before an operation: what the operation kept (an :class:`Overlay`
+    entry) replaces the old source, so a re-dispatch serves the written value."""
+    for module, tensors in captured.values():
+        hook = offload_hook(module)
+        overlay = getattr(hook, "weights_map", None)
+        if isinstance(overlay, Overlay):
+            for name, tensor in overlay.kept.items():
+                tensors[name] = (tensor, None)
+
+
+@contextlib.contextmanager
+def stood_in(base_layer: Any, device: Any, what: str) -> Iterator[None]:
+    """Inside the block, the ``meta`` placeholders of ``base_layer`` (offloaded) are replaced by
+    uninitialised tensors of the same shape and dtype on ``device``; the offloaded values are never
+    read, and the placeholders are put back afterwards. For code that reads only where and what the
+    weights are: a stand-in that was replaced or written holds a value computed from no real weight,
+    and is refused (nothing could keep it)."""
+    import torch
+
+    placeholders = [(sub, store, name, tensor) for sub in base_layer.modules() for store in (sub._parameters, sub._buffers)
+                    for name, tensor in store.items() if tensor is not None and tensor.device.type == "meta"]
+    stand_ins = []
+    for sub, store, name, tensor in placeholders:
+        empty = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+        store[name] = torch.nn.Parameter(empty, tensor.requires_grad) if type(tensor) is torch.nn.Parameter else empty
+        stand_ins.append((store[name], store[name].data_ptr(), store[name]._version))
+    try:
+        yield
+    finally:
+        written = [f"{type(sub).__name__}.{name}" for (sub, store, name, _), (stand_in, pointer, version)
+                   in zip(placeholders, stand_ins)
+                   if store.get(name) is not stand_in or stand_in.data_ptr() != pointer or stand_in._version != version]
+        for sub, store, name, tensor in placeholders:
+            store[name] = tensor
+    if written:
+        raise MetapatchError(
+            f"metapatch: {what} wrote {written[:4]} of an offloaded base layer that metapatch stood in for "
+            f"(it reads no base value, it was assumed); the written value cannot be kept. Please report this; "
+            f"meanwhile keep that layer in memory (device_map).")
+
+
+def innermost_base_layer(layer: Any) -> Any:
+    """``layer``'s innermost ``base_layer`` (what PEFT's ``get_base_layer`` returns), found through
+    ``_modules`` only: no PEFT code runs for a layer that turns out not to be offloaded."""
+    for _ in range(64):
+        inner = getattr(layer, "__dict__", {}).get("_modules", {}).get("base_layer")
+        if inner is None:
+            return layer
+        layer = inner
+    return layer
+
+
+def map_offloads(device_map: Dict[str, Any]) -> bool:
+    """Whether ``dispatch_model`` offloads part of a model placed by ``device_map``: ``disk`` always,
+    ``cpu`` when the main device is an accelerator (the first entry on neither cpu nor disk)."""
+    values = [str(value) for value in device_map.values()]
+    if "disk" in values:
+        return True
+    main = next((value for value in values if value not in ("cpu", "disk")), "cpu")
+    return "cpu" in values and main not in ("cpu", "mps")
