@@ -30,7 +30,7 @@ import sys
 import threading
 from typing import Any, Callable, Dict, List, Optional
 
-Callback = Callable[[Any], None]
+Callback = Callable[..., None]  # (module) or, for a module a finder ahead of us loaded, (module, late=True)
 
 
 class _LoaderProxy:
@@ -91,6 +91,8 @@ class PostImportFinder:
         self.callbacks: Dict[str, List[Callback]] = {}
         self._local = threading.local()
         self._writer = threading.Lock()  # serialises watch(); never held while importing
+        self.moved_ahead_of: List[str] = []  # the finders last found ahead of us (for status())
+        self.fired: Dict[Optional[str], int] = {}  # name -> id of the module object last seen through us
 
     def watch(self, name: str, callback: Callback) -> None:
         with self._writer:
@@ -99,12 +101,34 @@ class PostImportFinder:
                 self.callbacks[name] = current + [callback]
 
     def fire(self, module: Any) -> None:
-        for callback in self.callbacks.get(getattr(module, "__name__", None), ()):
+        name = getattr(module, "__name__", None)
+        self.fired[name] = id(module)
+        for callback in self.callbacks.get(name, ()):
             callback(module)
+        if self.moved_ahead_of:
+            for missed in self._missed():
+                self.fired[missed.__name__] = id(missed)
+                for callback in self.callbacks.get(missed.__name__, ()):
+                    callback(missed, late=True)
+
+    def _missed(self) -> List[Any]:
+        """Watched modules imported (and finished) without our loader: answered by a finder that was ahead of
+        us. Dictionary lookups only, never an import: called under the import system's lock too."""
+        found = []
+        for name in list(self.callbacks):
+            module = sys.modules.get(name)
+            if module is not None and self.fired.get(name) != id(module) and not getattr(
+                    getattr(module, "__spec__", None), "_initializing", False):
+                found.append(module)
+        return found
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Optional[Any]:
-        if fullname not in self.callbacks or target is not None:
-            return None  # not watched, or importlib.reload() (which passes the module as target)
+        if sys.meta_path and sys.meta_path[0] is not self:
+            self._back_to_front()
+        if target is not None:
+            return None  # importlib.reload() (which passes the module as target)
+        if fullname not in self.callbacks and not (self.moved_ahead_of and self._missed()):
+            return None  # not watched (else: the next module loaded through us catches up on the missed ones)
         active = self._local.__dict__.setdefault("active", set())
         if fullname in active:
             return None  # a finder after us asked the import system again: let it through
@@ -121,6 +145,22 @@ class PostImportFinder:
         elif hasattr(loader, "load_module"):
             spec.loader = _LegacyHookedLoader(loader, self)
         return spec
+
+    def _back_to_front(self) -> None:
+        # A finder inserted ahead of us after `import metapatch` (typeguard's and jaxtyping's import hooks
+        # insert theirs at sys.meta_path[0]) would answer a watched module itself, and its callbacks would
+        # never run. Back in front we still ask it, in its place, through _real_spec: the same spec and
+        # loader as without us, wrapped. Called under the import system's lock, during its walk of
+        # sys.meta_path: one slice assignment, and the finders after us keep their indexes, so the walk
+        # in progress neither skips nor repeats one. (A module such a finder answered before we got back
+        # in front is caught by the registry's sweep for imported-but-unpatched targets.)
+        meta_path = sys.meta_path
+        try:
+            index = meta_path.index(self)
+        except ValueError:
+            return  # removed on purpose (by the user, or a test): stay out
+        meta_path[: index + 1] = [self] + meta_path[:index]
+        self.moved_ahead_of = [type(f).__module__ + "." + type(f).__qualname__ for f in meta_path[1: index + 1]]
 
     def _real_spec(self, fullname: str, path: Any, target: Any) -> Optional[Any]:
         # What importlib._bootstrap._find_spec does with the rest of sys.meta_path; we are called

@@ -250,18 +250,55 @@ class Registry:
 
         finder().watch(module_name, self._on_import)
 
-    def _on_import(self, module: Any) -> None:
+    def _on_import(self, module: Any, late: bool = False) -> None:
         # Runs inside the user's import statement: nothing may escape except, on purpose, the
-        # strict-mode error.
+        # strict-mode error. late: the module was loaded by a finder ahead of ours (see _sweep_missed).
         name = getattr(module, "__name__", "")
         for patch_id in list(self.patches):
             if name in self._modules_of(patch_id):
                 try:
-                    self._apply(self.patches[patch_id], module)  # (loads a lazy record)
+                    if late:
+                        self._apply_missed(patch_id, module, "the next import through metapatch's finder")
+                    else:
+                        self._apply(self.patches[patch_id], module)  # (loads a lazy record)
                 except MetapatchError:
                     raise
                 except Exception as exc:  # pragma: no cover - _apply already guards; belt and braces
                     _logger().exception("metapatch: unexpected error while applying %s: %s", patch_id, exc)
+
+    def _sweep_missed(self, when: str) -> None:
+        """Apply, late, the patches of target modules that are imported (and finished) but whose import hook
+        never ran: a finder inserted ahead of ours on ``sys.meta_path`` after ``import metapatch``
+        (typeguard's and jaxtyping's import hooks) answered them itself before ours got back in front.
+        Cheap unless something was missed: only pending patches, only modules in ``sys.modules``."""
+        for patch_id in list(self._status):
+            status = self._status.get(patch_id)
+            if status is None or status.state is not State.PENDING_IMPORT:
+                continue
+            for module_name in self._modules_of(patch_id):
+                module = sys.modules.get(module_name)
+                if module is not None and not _initializing(module):
+                    self._apply_missed(patch_id, module, when)
+
+    def _apply_missed(self, patch_id: str, module: Any, when: str) -> None:
+        status = self._status.get(patch_id)
+        if status is None or status.state is not State.PENDING_IMPORT:
+            return
+        patch = self.patches[patch_id]
+        mine = [t.dotted for t in patch.targets if t.module == module.__name__]
+        if all(status.sites.get(d) is not None for d in mine):
+            return
+        self._apply(patch, module, late=True)
+        said = f"{module.__name__} was imported through a finder ahead of metapatch's"
+        if any(status.sites.get(d) is not None for d in mine) and not any(n.startswith(said) for n in status.notes):
+            from ._import_hooks import finder
+
+            loader = getattr(getattr(module, "__spec__", None), "loader", None)
+            ahead = ", ".join(getattr(finder(), "moved_ahead_of", ())) or "none found"
+            status.notes.append(
+                f"{said} on sys.meta_path (its loader: "
+                f"{type(loader).__module__}.{type(loader).__qualname__}; finders found ahead: {ahead}), so its "
+                f"import hook did not run; patched late, when {when} found it imported")
 
     def _apply(self, patch: Patch, module: Any, late: bool = False) -> None:
         """Apply the targets of ``patch`` that live in ``module``.
@@ -460,6 +497,10 @@ class Registry:
     # -- status --------------------------------------------------------------------------------
 
     def status(self) -> List[Dict[str, Any]]:
+        try:
+            self._sweep_missed("metapatch.status()")
+        except MetapatchError:
+            pass  # strict mode: the problem state and reason are in the rows below
         rows = []
         for patch in self.patches.values():
             with self._lock:
@@ -475,6 +516,9 @@ class Registry:
                     elif not status.reason:
                         status.reason = f"{status.gate[1]}; waiting for import of {', '.join(patch.modules)}"
                 state, reason = status.state, status.reason
+                running = [m for m in patch.modules if _initializing(sys.modules.get(m))]
+                if state is State.PENDING_IMPORT and running:
+                    reason = f"{reason}; {', '.join(running)} still executing (patched as soon as it finishes)"
                 if self._lost_sites(status):
                     replaced = _replaced_after(status)
                     if replaced is not None:

@@ -442,3 +442,60 @@ def test_split_tied_group_warning_once_per_load_at_the_users_line(tmp_path):
     first = next(i for i, text in enumerate(lines, 1) if "# FIRST" in text)
     assert out["tied"] == [[str(script), first], [str(script), first + 1]]
     assert "is tied to" not in proc.stderr  # not also through the logger
+
+
+# -- a finder inserted ahead of metapatch's (typeguard's and jaxtyping's import hooks) -------------------
+
+AHEAD_FINDER = '''
+import importlib.machinery, sys
+class Loader(importlib.machinery.SourceFileLoader):  # what an instrumenting import hook returns
+    pass
+class AheadFinder:
+    """Answers fakelib itself, from the path finder, with its own loader, as typeguard's finder does."""
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname.partition(".")[0] != "fakelib":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        if spec is not None:
+            spec.loader = Loader(spec.loader.name, spec.loader.path)
+        return spec
+'''
+
+
+@pytest.mark.parametrize("then", ["import-other", "status", "import-target-directly"])
+def test_target_loaded_by_a_finder_inserted_ahead_is_patched(world, then):
+    """Issue 22: a finder another library inserts at sys.meta_path[0] after metapatch loads the target itself.
+    Metapatch's finder gets back in front at the next import it sees (and still asks that finder, so the
+    module keeps that finder's loader); a target that finder already loaded is patched late, at the next
+    import through metapatch's finder or at status(), which says why."""
+    _write(world.root, "aheadfinder.py", AHEAD_FINDER)
+    _write(world.root, "unrelated_module.py", "X = 1\n")
+    out = world.run(f'''
+        reg = Registry(load_patches("fakepatches")); reg.install()
+        import aheadfinder
+        sys.meta_path.insert(0, aheadfinder.AheadFinder())
+        then = {then!r}
+        if then == "import-target-directly":
+            import unrelated_module  # metapatch's finder sees an import and gets back in front
+        import fakelib.core
+        before = fakelib.core.compute(2)
+        if then == "import-other":
+            import unrelated_module
+        elif then == "status":
+            reg.status()
+        row = rows(reg)["fake-compute"]
+        print(json.dumps({{"before": before, "after": fakelib.core.compute(2), "state": row["state"],
+                          "notes": row["notes"], "loader": type(fakelib.core.__loader__).__name__,
+                          "first": type(sys.meta_path[0]).__name__}}))
+    ''')
+    assert out["loader"] == "Loader"  # the other finder's loader is kept
+    assert out["state"] == "applied" and out["after"] == 21, out
+    assert out["first"] == "PostImportFinder"
+    if then == "import-target-directly":
+        assert out["before"] == 21 and out["notes"] == []  # patched as it finished executing, as usual
+    else:
+        assert out["before"] == 20  # loaded by the finder ahead before metapatch's could see it ...
+        (note,) = out["notes"]  # ... and said, once, with the loader and the finder found ahead
+        assert "fakelib.core" in note and "aheadfinder.AheadFinder" in note and "aheadfinder.Loader" in note
+        # (status() itself imports, through metapatch's finder, which may catch up first)
+        assert "next import through metapatch's finder" in note or (then == "status" and "status()" in note)

@@ -17,14 +17,24 @@ together), and only when it is what the model itself would do: the model has a c
 ``tie_weights``, declares ties that are not in place, and a member of such a tie is still on the meta
 device (an unmaterialised model; a materialised model that someone untied on purpose is left alone).
 An untied model, or one already tied, is passed through unchanged.
+
+Tied, the group still has one value in the checkpoint, at its source, and upstream's loader fills only
+the source: with the pair on disk, or split across cpu/disk by the device map, the copy stays without a
+value (``KeyError: 'lm_head.weight'`` at the first forward: the offload index has only the source; or
+``weight is on the meta device, we need a `value```), where ``from_pretrained`` loads the same map. After
+``load_checkpoint_in_model``, each declared copy mapped to disk gets its own entry in the user's offload
+folder (where accelerate writes every disk-mapped weight), and a copy mapped to a device that is still
+on meta is loaded from its source's offload file. Only maps with a disk entry and an offload folder are
+looked at.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Dict, List, Tuple
 
 from metapatch._calls import signature_of
-from metapatch._records import Patch, Target, Upstream
+from metapatch._records import MetapatchError, Patch, Target, Upstream
 from metapatch._tied_groups import _declared_mappings
 
 PATCH_ID = "accelerate-tie-before-load"
@@ -84,12 +94,105 @@ def tie_if_declared(model: Any) -> bool:
     return True
 
 
+def _declared_pairs(model: Any, parameters: Dict[str, Any]) -> List[Tuple[str, str]]:
+    """Every declared (target, source) tie by parameter name, tied in place or not."""
+    pairs: List[Tuple[str, str]] = []
+    declared = False
+    for prefix, mapping in _declared_mappings(model):
+        declared = True
+        pairs += [(prefix + t, prefix + s) for t, s in mapping.items()
+                  if prefix + t in parameters and prefix + s in parameters]
+    if declared or not getattr(_decoder_config(model), "tie_word_embeddings", False):
+        return pairs
+    try:
+        output, inputs = model.get_output_embeddings(), model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return pairs
+    names = {id(module): name for name, module in model.named_modules()}
+    if output is not None and inputs is not None and id(output) in names and id(inputs) in names:
+        target, source = names[id(output)] + ".weight", names[id(inputs)] + ".weight"
+        if target in parameters and source in parameters and target != source:
+            pairs.append((target, source))
+    return pairs
+
+
+def _mapped(device_map: Mapping, name: str) -> Any:
+    """The device ``device_map`` gives parameter ``name`` (its longest module prefix)."""
+    best = None
+    for key in device_map:
+        if (key == "" or name == key or name.startswith(key + ".")) and (best is None or len(key) > len(best)):
+            best = key
+    return None if best is None else device_map[best]
+
+
+def _complete_tied_copies(model: Any, device_map: Any, offload_folder: Any) -> None:
+    """After upstream's ``load_checkpoint_in_model``, give each declared tied copy the value the checkpoint
+    stores once, at its source, where the copy's device map entry differs from what upstream filled in:
+
+    * a copy mapped to disk whose name is not in the offload index (both on disk: the index holds only the
+      source; source on cpu): written to the user's ``offload_folder`` under its own name, as accelerate
+      writes every disk-mapped weight there (``KeyError: 'lm_head.weight'`` at the first forward upstream);
+    * a copy mapped to a device that is still on meta because its source went to disk: loaded from the
+      source's offload file onto that device (upstream: ``weight is on the meta device, we need a `value```).
+
+    Checked first, cheaply: only a map with a disk entry and an offload folder can need it."""
+    import json
+    import os
+
+    if not isinstance(device_map, Mapping) or offload_folder is None or "disk" not in device_map.values():
+        return
+    from accelerate.utils import set_module_tensor_to_device
+    from accelerate.utils.offload import load_offloaded_weight, offload_weight, save_offload_index
+
+    parameters = dict(model.named_parameters(remove_duplicate=False))
+    pairs = _declared_pairs(model, parameters)
+    if not pairs:
+        return
+    index_file = os.path.join(offload_folder, "index.json")
+    index: Dict[str, Any] = {}
+    if os.path.isfile(index_file):
+        with open(index_file, encoding="utf-8") as f:
+            index = json.load(f)
+    added: Dict[str, Any] = {}
+
+    def source_value(source: str) -> Any:
+        if _mapped(device_map, source) == "disk" and source in index:
+            return load_offloaded_weight(os.path.join(offload_folder, f"{source}.dat"), index[source])
+        value = parameters[source]
+        if value.is_meta:
+            raise MetapatchError(
+                f"metapatch ({PATCH_ID}): {source} (the source of a declared tie) has no value after loading the "
+                f"checkpoint: neither the checkpoint nor the offload folder holds it, so its tied copies cannot be "
+                f"filled. Check that the checkpoint belongs to this model.")
+        return value.detach()
+
+    for target, source in pairs:
+        device = _mapped(device_map, target)
+        if device == "disk":
+            if target not in index and target not in added:
+                offload_weight(source_value(source), target, offload_folder, index=added)
+        elif device is not None and parameters[target].is_meta:
+            set_module_tensor_to_device(model, target, device, value=source_value(source))
+    save_offload_index(added, offload_folder)
+
+
 def _tie_then_load(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     bound = signature_of(wrapped).bind_partial(*args, **kwargs)
     model = bound.arguments.get("model")
     if model is not None:
         tie_if_declared(model)
     return wrapped(*args, **kwargs)
+
+
+def _tie_then_load_in_model(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    bound = signature_of(wrapped).bind_partial(*args, **kwargs)
+    model = bound.arguments.get("model")
+    if model is not None:
+        tie_if_declared(model)
+    result = wrapped(*args, **kwargs)
+    if model is not None:
+        _complete_tied_copies(model, bound.arguments.get("device_map"), bound.arguments.get("offload_folder"))
+    return result
 
 
 PATCH = Patch(
@@ -107,7 +210,7 @@ PATCH = Patch(
         Target("accelerate.utils.modeling", "load_checkpoint_in_model",
                fingerprints=("5b18bd1bf317a2c4",  # accelerate 1.10.0 - 1.10.1
                              "18e8cb3be7919183"),  # accelerate 1.11.0 - 1.15.0
-               wrapper=_tie_then_load,
+               wrapper=_tie_then_load_in_model,
                aliases=("accelerate:load_checkpoint_in_model", "accelerate.utils:load_checkpoint_in_model",
                         "accelerate.big_modeling:load_checkpoint_in_model")),
     ),

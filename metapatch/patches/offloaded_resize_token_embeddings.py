@@ -108,15 +108,33 @@ def _onload(module: Any, hook: Any) -> Dict[str, Any]:
     return original_devices
 
 
+def _carries(module: Any, hook: Any) -> bool:
+    """``hook`` is ``module``'s own (also inside a ``SequentialHook``). By identity, not through
+    ``offload_hook``: that one only finds hooks with ``offload`` on, which :func:`_onload` has turned off."""
+    attached = getattr(module, "__dict__", {}).get("_hf_hook")
+    return attached is hook or any(h is hook for h in getattr(attached, "hooks", ()) or ())
+
+
 def _current_module(model: Any, old: Any, hook: Any) -> Any:
     """Where ``hook`` hangs after the resize: the same module (embeddings are resized in place), or the new
     head upstream built and attached the same hook to (``add_hook_to_module(new_lm_head, hook)``)."""
-    from metapatch._adapter_offload import offload_hook
-
     for module in _embedding_modules(model) + [old]:
-        if offload_hook(module) is hook:
+        if _carries(module, hook):
             return module
     return None
+
+
+def _maybe_offloaded(model: Any) -> bool:
+    """Cheap, no walk and no call into the model: accelerate marks every model it dispatches or offloads
+    (``hf_device_map`` from ``dispatch_model``/``from_pretrained(device_map=...)``, a ``_hf_hook`` on the
+    model from ``cpu_offload``/``disk_offload``), and a block offloaded by hand carries its hook on the
+    base model. A model with none of these (in memory, or on meta under ``init_empty_weights``) gets
+    upstream untouched."""
+    attributes = getattr(model, "__dict__", {})
+    if "hf_device_map" in attributes or "_hf_hook" in attributes:
+        return True
+    base = attributes.get("_modules", {}).get(getattr(type(model), "base_model_prefix", None) or "")
+    return base is not None and "_hf_hook" in getattr(base, "__dict__", {})
 
 
 def _tensors(module: Any, hook: Any) -> List[Tuple[str, Any]]:
@@ -167,6 +185,8 @@ def _share_again(shared: List[Tuple[Any, str, Any, str]]) -> None:
 
 
 def _resize(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    if not _maybe_offloaded(instance):
+        return wrapped(*args, **kwargs)
     offloaded = _offloaded_embeddings(instance)
     if not offloaded:
         return wrapped(*args, **kwargs)

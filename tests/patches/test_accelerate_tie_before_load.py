@@ -134,3 +134,53 @@ def test_load_checkpoint_in_model_ties_in_process(tmp_path):
     assert model.lm_head.weight is model.model.embed_tokens.weight and not model.lm_head.weight.is_meta
     with torch.no_grad():
         assert torch.equal(model.eval()(input_ids()).logits, reference(input_ids()).logits)
+
+
+_LAYERS = {"model.rotary_emb": "cpu", "model.layers.0": "cpu", "model.norm": "cpu"}
+
+
+def _digests(folder):
+    import hashlib
+
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@needs_patch
+@pytest.mark.parametrize("embed, head", [("disk", "disk"), ("cpu", "disk"), ("disk", "cpu")])
+def test_load_checkpoint_and_dispatch_tied_pair_on_disk_or_split(tmp_path, monkeypatch, embed, head):
+    """Issue 22: a tied pair on disk (upstream: KeyError 'lm_head.weight' at the first forward) or split across
+    cpu/disk (KeyError, or 'weight is on the meta device, we need a `value`') loads as from_pretrained does:
+    the logits and greedy tokens of the in-memory model; only the named offload folder is written to."""
+    from accelerate import load_checkpoint_and_dispatch
+    from transformers import LlamaForCausalLM
+
+    from metapatch.selftest._models import input_ids, tiny_llama_config
+
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(0)
+    reference = LlamaForCausalLM(tiny_llama_config(num_hidden_layers=1, tie_word_embeddings=True)).eval()
+    reference.save_pretrained(tmp_path / "ckpt")
+    checkpoint = _digests(tmp_path / "ckpt")
+    listing = sorted(p.name for p in tmp_path.iterdir())
+    model = load_checkpoint_and_dispatch(
+        _empty_llama(tie=True), str(tmp_path / "ckpt"), offload_folder=str(tmp_path / "offload"),
+        device_map={**_LAYERS, "model.embed_tokens": embed, "lm_head": head}).eval()
+    assert model.model.embed_tokens.weight.is_meta is (embed == "disk")
+    ids = input_ids()
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+    assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False),
+                       reference.generate(ids, max_new_tokens=4, do_sample=False))
+    assert _digests(tmp_path / "ckpt") == checkpoint
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(listing + ["offload"])
+
+
+def test_tied_copies_left_alone_without_a_disk_entry(tmp_path):
+    """The post-load completion costs nothing where no tied copy can be missing: no disk entry in the map."""
+    from metapatch.patches import accelerate_tie_before_load as patch_module
+
+    model = _empty_llama(tie=True)
+    patch_module._complete_tied_copies(model, {"": "cpu"}, str(tmp_path / "never"))
+    patch_module._complete_tied_copies(model, "auto", None)
+    assert not (tmp_path / "never").exists() and model.lm_head.weight.is_meta

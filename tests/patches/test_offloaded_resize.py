@@ -102,3 +102,142 @@ def test_embedding_offloaded_inside_a_block_is_refused():
     with pytest.raises(MetapatchError, match="own device_map entries"):
         model.resize_token_embeddings(140)
     assert model.config.vocab_size == 128  # refused before anything changed
+
+
+# -- re-offloading, and upstream untouched where nothing is offloaded ----------------------------------
+
+_DISK_MAP = {"model.embed_tokens": "disk", "model.rotary_emb": "cpu", "model.layers.0": "cpu", "model.layers.1": "cpu",
+             "model.layers.2": "disk", "model.layers.3": "disk", "model.norm": "cpu", "lm_head": "disk"}
+
+
+def _resized(model, size=140):
+    import torch
+
+    torch.manual_seed(5)
+    model.resize_token_embeddings(size)
+    return model.eval()
+
+
+def _digests(folder):
+    import hashlib
+
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@needs_patch
+@pytest.mark.parametrize("entry", ["load_adapter", "PeftModel.from_pretrained"])
+def test_resize_then_load_the_lora_for_the_new_tokens(tmp_path, monkeypatch, entry):
+    """Issue 22, finding 4: the resized embedding/head are offloaded again (on meta between forwards, served
+    from memory), and a non-zero LoRA trained for the added tokens, embedding LoRA included, then loads
+    over them as over the in-memory model; nothing is written to the checkpoint or the offload folder."""
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    from transformers import LlamaForCausalLM
+
+    from metapatch.selftest._models import input_ids, save_tiny_llama
+
+    monkeypatch.chdir(tmp_path)
+    checkpoint = save_tiny_llama(tmp_path / "ckpt")
+    torch.manual_seed(7)
+    trained = peft.get_peft_model(_resized(LlamaForCausalLM.from_pretrained(checkpoint)), peft.LoraConfig(
+        target_modules=["embed_tokens", "q_proj", "lm_head"], init_lora_weights=False, r=4))
+    trained.save_pretrained(tmp_path / "adapter")
+    ids = torch.cat([input_ids(), torch.arange(128, 134)[None, :]], dim=1)  # the added tokens too
+
+    def with_adapter(model):
+        if entry == "load_adapter":
+            model.load_adapter(str(tmp_path / "adapter"))
+        else:
+            model = peft.PeftModel.from_pretrained(model, str(tmp_path / "adapter"))
+        with torch.no_grad():
+            return model(input_ids=ids).logits
+
+    reference = with_adapter(_resized(LlamaForCausalLM.from_pretrained(checkpoint)))
+    offloaded = LlamaForCausalLM.from_pretrained(checkpoint, device_map=_DISK_MAP, offload_folder=str(tmp_path / "off"))
+    before = {**_digests(tmp_path / "ckpt"), **{"off/" + k: v for k, v in _digests(tmp_path / "off").items()}}
+    listing = sorted(p.name for p in tmp_path.iterdir())
+    _resized(offloaded)
+    for module in (offloaded.model.embed_tokens, offloaded.lm_head):
+        assert module.weight.is_meta and module.weight.shape[0] == 140  # offloaded again, not left resident
+        assert patch_module._carries(module, module._hf_hook) and module._hf_hook.offload
+    got = with_adapter(offloaded)
+    assert torch.equal(got, reference), f"max abs diff {(got - reference).abs().max().item()}"
+    assert {**_digests(tmp_path / "ckpt"), **{"off/" + k: v for k, v in _digests(tmp_path / "off").items()}} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == listing
+
+
+def _upstream_calls(model, call):
+    """Every function upstream (transformers, torch, accelerate) enters during ``call``, in order; metapatch's
+    and wrapt's own frames left out."""
+    import sys
+
+    seen = []
+
+    def profile(frame, event, arg):
+        if event == "call":
+            name = frame.f_code.co_filename
+            if "metapatch" not in name and "wrapt" not in name and ("transformers" in name or "torch" in name
+                                                                      or "accelerate" in name):
+                seen.append((frame.f_code.co_name, name.rsplit("site-packages", 1)[-1]))
+
+    sys.setprofile(profile)
+    try:
+        call(model)
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+@pytest.mark.parametrize("on_meta", [False, True], ids=["in-memory", "init_empty_weights"])
+def test_nothing_offloaded_calls_upstream_untouched(on_meta):
+    """Issue 22, finding 6: a model in memory, or built on meta under ``init_empty_weights`` (no hooks), is
+    resized by upstream exactly as without metapatch: the same results, the same calls upstream makes."""
+    torch = pytest.importorskip("torch")
+    accelerate = pytest.importorskip("accelerate")
+    from transformers import LlamaForCausalLM
+    from transformers.modeling_utils import PreTrainedModel
+
+    from metapatch.selftest._models import tiny_llama_config
+
+    method = PreTrainedModel.__dict__["resize_token_embeddings"]
+    unpatched = getattr(method, "__wrapped__", method)
+
+    def build():
+        torch.manual_seed(0)
+        if on_meta:
+            with accelerate.init_empty_weights():
+                return LlamaForCausalLM(tiny_llama_config())
+        return LlamaForCausalLM(tiny_llama_config())
+
+    outcomes = []
+    # first unpatched as a warm-up (first-call effects: lazy imports, warn-once logging), then the pair compared
+    for resize in (lambda m, **kw: unpatched(m, **kw), lambda m, **kw: m.resize_token_embeddings(**kw),
+                   lambda m, **kw: unpatched(m, **kw)):
+        model = build()
+        results = []
+
+        def run(m):
+            # mean resizing (the default) stops on meta upstream too (Tensor.item()): the same error either way
+            for seed, kwargs in enumerate([{"new_num_tokens": 140}, {"new_num_tokens": 144, "mean_resizing": False},
+                                           {"new_num_tokens": 150, "pad_to_multiple_of": 8, "mean_resizing": False}]):
+                torch.manual_seed(seed)
+                try:
+                    results.append(tuple(resize(m, **kwargs).weight.shape))
+                except RuntimeError as exc:
+                    results.append(str(exc))
+
+        calls = _upstream_calls(model, run)
+        state = {k: (v.device.type, tuple(v.shape), None if v.is_meta else v.clone()) for k, v in
+                 model.state_dict().items()}
+        outcomes.append((calls, state, results, model.config.vocab_size))
+    _, (calls, state, shapes, vocab), (calls_up, state_up, shapes_up, vocab_up) = outcomes
+    assert AFFECTED is False or type(method).__name__ == "FunctionWrapper"  # the patched path is what ran first
+    assert calls == calls_up and len(calls) > 50
+    assert shapes == shapes_up and vocab == vocab_up == 152 and shapes[-1] == (152, 64)
+    assert isinstance(shapes[0], str) if on_meta else shapes[0] == (140, 64)
+    assert state.keys() == state_up.keys()
+    for key, (device, shape, value) in state.items():
+        assert (device, shape) == state_up[key][:2], key
+        assert (value is None and state_up[key][2] is None) or torch.equal(value, state_up[key][2]), key
+    assert all(device == ("meta" if on_meta else "cpu") for device, _, _ in state.values())

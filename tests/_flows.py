@@ -1,0 +1,406 @@
+"""A differential flow tester (issue 22, deliverable 4): random sequences of what users do with a model, run
+on an in-memory tiny Llama and on an offloaded copy of the same checkpoint (a random cpu/disk placement through
+a real ``from_pretrained(device_map=..., offload_folder=...)``), with metapatch active.
+
+After every step: where the in-memory model succeeds, the offloaded one gives equal logits (``torch.equal``:
+the same float operations on the same CPU), equal greedy tokens, an equal saved adapter, or raises
+``MetapatchError``; where it raised ``MetapatchError`` the sequence ends there (a refusal is a correct answer).
+At the end: the checkpoint's files keep their hashes and nothing appears in the working directory (every write
+goes to folders the flow names: offload folders and adapter folders under its own temporary directory).
+
+Steps: get_peft_model / add_adapter with a random tuner (LoRA with every ``init_lora_weights`` in ``INITS``,
+DoRA, IA3, LoHa) over random target modules, modules_to_save; set/delete/merge adapters; resize the
+embeddings; one training step; save the adapter and reload it over a fresh base through
+``PeftModel.from_pretrained`` or transformers' ``load_adapter``; generate.
+
+The CI run is ``tests/test_flows.py`` (derandomized, a few examples). The long run, a command::
+
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python tests/_flows.py --examples 200 --steps 10 [--inits all] [--seed N]
+
+prints how many sequences and steps ran, how many the offloaded side refused, and every failure hypothesis
+found, shrunk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from hypothesis import note, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import metapatch  # noqa: F401 - the patches under test
+from metapatch import MetapatchError
+
+MODULES = ("model.embed_tokens", "model.layers.0", "model.layers.1", "model.layers.2", "model.layers.3",
+           "model.norm", "lm_head")
+LINEAR_TARGETS = ("q_proj", "v_proj", "o_proj", "down_proj")
+# Initialisations whose offloaded result is open in another area (issue 22 findings 1-3, the adapter store):
+# out of the CI run until that lands; the long run takes them with --inits all.
+OPEN_INITS = ("pissa", "olora")
+INITS = (False, True, "gaussian")
+STATS: Dict[str, int] = {"sequences": 0, "steps": 0, "refused": 0, "reference_failed": 0}
+
+
+def _digests(folder: Path) -> Dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+class _Checkpoints:
+    """One tiny Llama checkpoint per tie setting, saved once per process."""
+
+    root: Optional[Path] = None
+    saved: Dict[bool, Path] = {}
+
+    @classmethod
+    def get(cls, tied: bool) -> Path:
+        if tied not in cls.saved:
+            from metapatch.selftest._models import save_tiny_llama
+
+            if cls.root is None:
+                cls.root = Path(tempfile.mkdtemp(prefix="metapatch-flows-ckpt-"))
+            cls.saved[tied] = save_tiny_llama(cls.root / f"tied{int(tied)}", tie_word_embeddings=tied)
+        return cls.saved[tied]
+
+
+@st.composite
+def _tuner(draw: Any, inits: tuple) -> Dict[str, Any]:
+    kind = draw(st.sampled_from(["lora", "lora", "lora", "dora", "ia3", "loha"]))
+    linear = draw(st.lists(st.sampled_from(LINEAR_TARGETS), min_size=1, max_size=3, unique=True))
+    spec: Dict[str, Any] = {"kind": kind, "targets": sorted(linear), "r": draw(st.sampled_from([2, 4]))}
+    if kind == "lora":
+        extra = draw(st.lists(st.sampled_from(["embed_tokens", "lm_head"]), max_size=2, unique=True))
+        spec["targets"] = sorted(linear + extra)
+        spec["init"] = draw(st.sampled_from(inits))
+    if kind in ("lora", "dora"):
+        spec["modules_to_save"] = draw(st.sampled_from([None, None, ["model.norm"], ["lm_head"]]))
+    return spec
+
+
+def _config(spec: Dict[str, Any]) -> Any:
+    import peft
+
+    if spec["kind"] == "ia3":
+        ff = [t for t in spec["targets"] if t == "down_proj"]
+        return peft.IA3Config(target_modules=spec["targets"], feedforward_modules=ff, init_ia3_weights=False)
+    if spec["kind"] == "loha":
+        return peft.LoHaConfig(target_modules=spec["targets"], r=spec["r"], init_weights=False)
+    init = spec.get("init", False)
+    if spec["kind"] == "dora":
+        init = False
+    return peft.LoraConfig(target_modules=spec["targets"], r=spec["r"], lora_alpha=8, init_lora_weights=init,
+                           use_dora=spec["kind"] == "dora", modules_to_save=spec.get("modules_to_save"))
+
+
+class _Twin:
+    """What a step returns on one side: a value, or the exception it raised."""
+
+    def __init__(self, value: Any = None, error: Optional[BaseException] = None) -> None:
+        self.value, self.error = value, error
+
+
+def _run(fn: Any, *args: Any) -> _Twin:
+    import torch
+
+    torch.manual_seed(1234)  # the same random draws on both sides (adapter initialisation, resize rows)
+    try:
+        return _Twin(fn(*args))
+    except Exception as exc:  # noqa: BLE001 - the comparison decides
+        return _Twin(error=exc)
+
+
+def make_machine(inits: tuple = INITS):
+    class FlowMachine(RuleBasedStateMachine):
+        """Two models (``ref`` in memory, ``off`` offloaded) driven by the same steps."""
+
+        @initialize(tied=st.booleans(), placement=st.lists(st.sampled_from(["cpu", "disk"]), min_size=len(MODULES),
+                                                           max_size=len(MODULES)))
+        def load(self, tied: bool, placement: List[str]) -> None:
+            from transformers import LlamaForCausalLM
+
+            if "disk" not in placement:
+                placement[-1] = "disk"
+            self.work = Path(tempfile.mkdtemp(prefix="metapatch-flows-"))
+            self.cwd = os.getcwd()
+            os.chdir(self.work)
+            self.listing = sorted(os.listdir(self.work))
+            self.checkpoint = _Checkpoints.get(tied)
+            self.hashes = _digests(self.checkpoint)
+            self.device_map = {"model.rotary_emb": "cpu", **dict(zip(MODULES, placement))}
+            self.loads = 0
+            note(f"tied={tied} device_map={self.device_map}")
+            self.ref = LlamaForCausalLM.from_pretrained(self.checkpoint).eval()
+            self.off = self._load_offloaded()
+            self.peft = False  # PeftModel (True) or a transformers model (False)
+            self.adapters: List[str] = []
+            self.saved: List[Path] = []
+            self.vocab = self.ref.config.vocab_size
+            self.done = False
+            STATS["sequences"] += 1
+
+        def _load_offloaded(self) -> Any:
+            from transformers import LlamaForCausalLM
+
+            self.loads += 1
+            return LlamaForCausalLM.from_pretrained(self.checkpoint, device_map=self.device_map,
+                                                    offload_folder=str(self.work / f"offload{self.loads}")).eval()
+
+        # -- the comparison ----------------------------------------------------------------------
+
+        def _both(self, what: str, fn: Any) -> Optional[tuple]:
+            """``fn(model)`` on both sides; the pair of values where both succeeded, None where the flow ends."""
+            STATS["steps"] += 1
+            ref = _run(fn, self.ref)
+            if ref.error is not None:
+                note(f"{what}: the in-memory model raised {type(ref.error).__name__}: {ref.error}; the flow ends")
+                STATS["reference_failed"] += 1
+                self.done = True
+                return None
+            off = _run(fn, self.off)
+            if isinstance(off.error, MetapatchError):
+                note(f"{what}: refused offloaded: {off.error}")
+                STATS["refused"] += 1
+                self.done = True
+                return None
+            if off.error is not None:
+                raise AssertionError(f"{what}: the in-memory model succeeds, the offloaded one raises "
+                                     f"{type(off.error).__name__}: {off.error}") from off.error
+            note(what)
+            return ref.value, off.value
+
+        def _ids(self) -> Any:
+            import torch
+
+            from metapatch.selftest._models import input_ids
+
+            ids = input_ids(vocab_size=min(128, self.vocab))
+            return torch.cat([ids, torch.arange(self.vocab - 3, self.vocab)[None, :]], dim=1)
+
+        def _logits(self, model: Any) -> Any:
+            import torch
+
+            with torch.no_grad():
+                return model(input_ids=self._ids()).logits
+
+        @invariant()
+        def same_logits(self) -> None:
+            if getattr(self, "done", True):
+                return
+            pair = self._both("logits", self._logits)
+            if pair is not None:
+                ref, off = pair
+                assert ref.shape == off.shape and bool((ref == off).all()), (
+                    f"logits differ (max abs diff {(ref - off).abs().max().item():.3g})")
+
+        # -- steps -------------------------------------------------------------------------------
+
+        @precondition(lambda self: not self.done and len(self.adapters) < 3)
+        @rule(spec=_tuner(inits))
+        def add_adapter(self, spec: Dict[str, Any]) -> None:
+            import peft
+
+            name = f"a{len(self.adapters) + sum(1 for _ in self.saved)}"
+
+            def add(model: Any) -> Any:
+                if self.peft:
+                    model.add_adapter(name, _config(spec))
+                    model.set_adapter(name)
+                    return model
+                if getattr(model, "peft_config", None):  # adapters injected by transformers' load_adapter
+                    model.add_adapter(_config(spec), adapter_name=name)
+                    model.set_adapter(name)
+                    return model
+                return peft.get_peft_model(model, _config(spec), adapter_name=name)
+
+            pair = self._both(f"add adapter {name} {spec}", add)
+            if pair is not None:
+                self.ref, self.off = pair
+                self.peft = self.peft or isinstance(self.ref, peft.PeftModel)
+                self.adapters.append(name)
+
+        @precondition(lambda self: not self.done and len(self.adapters) > 1)
+        @rule(data=st.data())
+        def set_adapter(self, data: Any) -> None:
+            name = data.draw(st.sampled_from(self.adapters))
+            self._both(f"set_adapter {name}", lambda m: m.set_adapter(name))
+
+        @precondition(lambda self: not self.done and self.peft and len(self.adapters) > 1)
+        @rule(data=st.data())
+        def delete_adapter(self, data: Any) -> None:
+            name = data.draw(st.sampled_from(self.adapters))
+
+            def delete(model: Any) -> None:
+                model.delete_adapter(name)
+                if model.active_adapter == name or model.active_adapter not in model.peft_config:
+                    model.set_adapter(next(iter(model.peft_config)))
+
+            if self._both(f"delete_adapter {name}", delete) is not None:
+                self.adapters.remove(name)
+
+        @precondition(lambda self: not self.done and self.peft and self.adapters)
+        @rule()
+        def merge_and_unload(self) -> None:
+            pair = self._both("merge_and_unload", lambda m: m.merge_and_unload())
+            if pair is not None:
+                self.ref, self.off = pair
+                self.peft, self.adapters = False, []
+
+        @precondition(lambda self: not self.done and not self.peft and not getattr(self.ref, "peft_config", None))
+        @rule(size=st.sampled_from([132, 136, 140, 120]), mean_resizing=st.booleans())
+        def resize(self, size: int, mean_resizing: bool) -> None:
+            if self._both(f"resize_token_embeddings({size}, mean_resizing={mean_resizing})",
+                          lambda m: m.resize_token_embeddings(size, mean_resizing=mean_resizing)) is not None:
+                self.vocab = size
+
+        @precondition(lambda self: not self.done and self.adapters)
+        @rule()
+        def train_step(self) -> None:
+            import torch
+
+            def step(model: Any) -> Dict[str, Any]:
+                model.train()
+                ids = self._ids()
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                with torch.no_grad():
+                    for param in model.parameters():
+                        if param.requires_grad and param.grad is not None:
+                            param -= 0.1 * param.grad
+                            param.grad = None
+                model.eval()
+                return {"loss": loss.detach(),
+                        "trained": {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}}
+
+            pair = self._both("train step", step)
+            if pair is not None:
+                ref, off = pair
+                assert torch.equal(ref["loss"], off["loss"]), f"loss {ref['loss']} vs {off['loss']}"
+                assert ref["trained"].keys() == off["trained"].keys()
+                for key in ref["trained"]:
+                    assert torch.equal(ref["trained"][key], off["trained"][key]), f"{key} differs after the step"
+
+        @precondition(lambda self: not self.done and self.peft and self.adapters)
+        @rule(entry=st.sampled_from(["PeftModel.from_pretrained", "load_adapter"]))
+        def save_and_reload(self, entry: str) -> None:
+            import peft
+            import torch
+            from safetensors.torch import load_file
+
+            index = len(self.saved)
+            folders = {}
+
+            def save(model: Any) -> Dict[str, Any]:
+                folder = self.work / f"adapter{index}-{'off' if model is self.off else 'ref'}"
+                model.save_pretrained(folder, selected_adapters=[model.active_adapter])
+                folders[model is self.off] = folder
+                found = sorted(folder.rglob("adapter_model.safetensors"))
+                return {str(p.relative_to(folder)): load_file(str(p)) for p in found}
+
+            pair = self._both("save_pretrained", save)
+            if pair is None:
+                return
+            ref, off = pair
+            assert ref.keys() == off.keys()
+            for file in ref:
+                assert ref[file].keys() == off[file].keys(), f"saved keys differ in {file}"
+                for key in ref[file]:
+                    assert torch.equal(ref[file][key], off[file][key]), f"saved {key} differs"
+            self.saved.append(folders[True])
+            active = self.ref.active_adapter
+            subfolder = "" if active == "default" else active
+
+            def reload(model: Any) -> Any:
+                from transformers import LlamaForCausalLM
+
+                path = folders[model is self.off] / subfolder
+                if model is self.off:
+                    base = self._load_offloaded()
+                else:
+                    base = LlamaForCausalLM.from_pretrained(self.checkpoint).eval()
+                if self.vocab != base.config.vocab_size:
+                    base.resize_token_embeddings(self.vocab)
+                if entry == "load_adapter":
+                    base.load_adapter(str(path), adapter_name=active)
+                    return base.eval()
+                return peft.PeftModel.from_pretrained(base, str(path), adapter_name=active).eval()
+
+            pair = self._both(f"reload through {entry}", reload)
+            if pair is not None:
+                self.ref, self.off = pair
+                self.peft = entry != "load_adapter"
+                self.adapters = [active]
+
+        @precondition(lambda self: not self.done)
+        @rule()
+        def generate(self) -> None:
+            pair = self._both("generate", lambda m: m.generate(input_ids=self._ids(), max_new_tokens=3,
+                                                               do_sample=False))
+            if pair is not None:
+                assert pair[0].tolist() == pair[1].tolist(), f"tokens {pair[0].tolist()} vs {pair[1].tolist()}"
+
+        @precondition(lambda self: self.done)
+        @rule()
+        def ended(self) -> None:
+            """The flow ended (a refusal, or the in-memory model raised): nothing more to compare."""
+
+        def teardown(self) -> None:
+            work = getattr(self, "work", None)
+            if work is None:
+                return
+            os.chdir(self.cwd)
+            try:
+                assert _digests(self.checkpoint) == self.hashes, "the checkpoint's files changed"
+                written = sorted(p for p in os.listdir(work) if p not in self.listing)
+                named = [p for p in written if not (p.startswith("offload") or p.startswith("adapter"))]
+                assert not named, f"written outside the named folders: {named}"
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+
+    return FlowMachine
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    import argparse
+    import time
+
+    from hypothesis import HealthCheck
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--examples", type=int, default=100)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--inits", choices=["ci", "all"], default="all")
+    parser.add_argument("--seed", type=int, default=None)
+    args = parser.parse_args(argv)
+    inits = INITS + (OPEN_INITS if args.inits == "all" else ())
+    machine = make_machine(inits)
+    machine.TestCase.settings = settings(max_examples=args.examples, stateful_step_count=args.steps, deadline=None,
+                                         suppress_health_check=list(HealthCheck), database=None)
+    started = time.monotonic()
+    failure = None
+    try:
+        test = machine.TestCase("runTest")
+        if args.seed is not None:
+            from hypothesis import seed
+
+            seed(args.seed)(machine.TestCase.runTest)
+        test.runTest()
+    except BaseException as exc:  # noqa: BLE001 - reported below
+        failure = exc
+    print(f"flows: {STATS['sequences']} sequences, {STATS['steps']} steps ({STATS['refused']} refused with "
+          f"MetapatchError, {STATS['reference_failed']} where the in-memory model itself raised), "
+          f"{time.monotonic() - started:.0f} s, inits {inits}")
+    if failure is not None:
+        print(f"FOUND: {type(failure).__name__}: {failure}")
+        return 1
+    print("found nothing")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
