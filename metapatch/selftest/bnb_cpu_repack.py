@@ -1,0 +1,254 @@
+"""Reproducers: bitsandbytes' in-place CPU repacking of 4-bit weights (patch ``bnb-cpu-repack-copy``).
+
+On a CPU with AVX512-BF16, bitsandbytes >= 0.49 repacks a 4-bit weight for its fused kernel at the
+first eval-mode forward whose input needs no grad. Every scenario reports ``cpu_repack`` (whether
+this CPU takes that path) and prints it: on a CPU without AVX512-BF16 the same checks run on the
+portable kernel, and upstream passes them (nothing is repacked), which the tests assert instead of
+skipping.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any, Dict, List, Tuple
+
+from ._harness import Scenario
+
+PATCH_ID = "bnb-cpu-repack-copy"
+
+
+def cpu_repack() -> bool:
+    """Whether bitsandbytes repacks 4-bit weights on this CPU (its own probe); printed so that a
+    log says which path ran."""
+    import bitsandbytes.functional as F
+
+    found = bool(getattr(F, "_convert_weight_packed_for_cpu", None)) and bool(F.has_avx512bf16())
+    print(f"bitsandbytes CPU repack path: {'yes' if found else 'no (portable kernel only)'}")
+    return found
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _tensor_bytes(tensor: Any) -> bytes:
+    import torch
+
+    tensor = tensor.detach().cpu().contiguous()
+    return tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+
+
+def _digest(state: Dict[str, Any]) -> Dict[str, Tuple[str, str, Tuple[int, ...]]]:
+    return {k: (str(v.dtype), _sha256(_tensor_bytes(v)), tuple(v.shape)) for k, v in state.items()}
+
+
+def _assert_same_bytes(expected: Dict[str, Any], found: Dict[str, Any], what: str) -> int:
+    want, got = _digest(expected), _digest(found)
+    if set(want) != set(got):
+        raise AssertionError(f"{what}: keys differ: {sorted(set(want) ^ set(got))[:6]}")
+    changed = sorted(k for k in want if want[k] != got[k])
+    if changed:
+        raise AssertionError(f"{what}: {len(changed)} of {len(want)} tensors differ from what was loaded "
+                             f"(dtype/bytes/shape), e.g. {changed[:3]}")
+    return len(want)
+
+
+# ---------------------------------------------------------------------------------------------
+# Training after evaluation
+
+
+def _lora_grads(path: Path, evaluate_first: bool) -> Tuple[Dict[str, Any], Any]:
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from ._models import input_ids
+    from .bnb_offload import load_quantized, quant_config
+
+    model = load_quantized(path, quant_config("nf4", True, "float32"))
+    torch.manual_seed(3)
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    ids = input_ids()
+    evaluated = None
+    if evaluate_first:
+        model.eval()
+        with torch.no_grad():
+            evaluated = model(ids).logits
+    model.train()
+    model(ids).logits.float().pow(2).mean().backward()
+    return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}, evaluated
+
+
+def training_after_eval(workdir: Path) -> Dict[str, Any]:
+    """QLoRA (nf4 double quant, LoRA on q/v): one ``no_grad`` eval forward, then a training
+    forward/backward; every LoRA gradient equals the one of a model never evaluated. Unpatched
+    on a repacking CPU the layers run the repacked kernel (no backward): ``grad None``."""
+    from ._models import max_abs_diff
+    from .bnb_offload import base_checkpoint
+
+    repack = cpu_repack()
+    path = base_checkpoint(workdir)
+    reference, _ = _lora_grads(path, evaluate_first=False)
+    grads, evaluated = _lora_grads(path, evaluate_first=True)
+    missing = sorted(n for n, g in grads.items() if g is None)
+    if any(g is None for g in reference.values()):
+        raise AssertionError("the never-evaluated reference has LoRA parameters without a gradient")
+    if missing:
+        raise AssertionError(f"after one no_grad forward, {len(missing)} of {len(grads)} LoRA parameters get "
+                             f"grad None (e.g. {missing[0]}): training trains nothing")
+    diff = max(max_abs_diff(grads[n], reference[n]) for n in reference)
+    unequal = sorted(n for n in reference if not grads[n].equal(reference[n]))
+    if unequal:
+        raise AssertionError(f"after one no_grad forward, {len(unequal)} LoRA gradients differ from a model "
+                             f"never evaluated (max abs diff {diff}), e.g. {unequal[0]}")
+    return {"max_abs_diff": diff, "cpu_repack": repack, "lora_parameters": len(grads),
+            "eval_logits_sha256": _sha256(_tensor_bytes(evaluated))}
+
+
+# ---------------------------------------------------------------------------------------------
+# Save after forward
+
+
+def _safetensors_digest(folder: Path) -> Dict[str, str]:
+    return {p.name: _sha256(p.read_bytes()) for p in sorted(folder.glob("*.safetensors"))}
+
+
+def _save(model: Any, folder: Path) -> None:
+    import inspect
+
+    # transformers 5.x re-applies its load-time weight conversions when saving; the 4-bit
+    # quantization op has no reverse (NotImplementedError in 5.24), and a 4-bit checkpoint is
+    # already in the format it loads from.
+    extra = {"save_original_format": False} if "save_original_format" in inspect.signature(
+        model.save_pretrained).parameters else {}
+    model.save_pretrained(folder, **extra)
+
+
+def save_after_forward(workdir: Path) -> Dict[str, Any]:
+    """A pre-quantized 4-bit checkpoint (nf4 double quant; fp4 single quant), loaded, two no_grad
+    forwards, ``save_pretrained``: the safetensors files are byte-equal to the loaded checkpoint
+    (sha256), every tensor too. Unpatched on a repacking CPU absmax comes back through bfloat16
+    (and double quant re-quantized)."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from ._models import input_ids
+    from .bnb_offload import base_checkpoint, load_quantized, quant_config
+
+    repack = cpu_repack()
+    base = base_checkpoint(workdir)
+    ids = input_ids()
+    files = 0
+    for quant_type, double_quant in (("nf4", True), ("fp4", False)):
+        quantized = workdir / f"q-{quant_type}-{double_quant}"
+        _save(load_quantized(base, quant_config(quant_type, double_quant)), quantized)
+        loaded = _safetensors_digest(quantized)
+        model = AutoModelForCausalLM.from_pretrained(quantized, device_map={"": "cpu"}).eval()
+        with torch.no_grad():
+            model(ids)
+            model(ids)
+        saved = workdir / f"saved-{quant_type}-{double_quant}"
+        _save(model, saved)
+        what = f"{quant_type} double_quant={double_quant}: save_pretrained after two forwards"
+        checkpoint = {k: v for f in sorted(quantized.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+        _assert_same_bytes(checkpoint, {k: v for f in sorted(saved.glob("*.safetensors"))
+                                        for k, v in load_file(str(f)).items()}, what)
+        if _safetensors_digest(saved) != loaded:
+            raise AssertionError(f"{what}: the safetensors files are not byte-equal to the loaded checkpoint")
+        files += len(loaded)
+    return {"max_abs_diff": 0.0, "cpu_repack": repack, "files_compared": files}
+
+
+# ---------------------------------------------------------------------------------------------
+# Offloaded layers: every quant_storage and shape
+
+
+# (quant_type, double_quant, quant_storage, compute_dtype, (in_features, out_features)): twelve
+# combinations, a pairwise cover rather than the full product (CI time): every quant_storage with three
+# of the four quant type / double quant pairs (both quant types), every compute dtype with every shape.
+# Shapes: 64x64 (the repack block), 64->48 (out not a multiple of 32), 96->64 (in not a multiple of the
+# blocksize 64).
+_PAIRS = (("nf4", True), ("fp4", False), ("nf4", False), ("fp4", True))
+_STORAGES = ("uint8", "bfloat16", "float16", "float32")
+_COMPUTE_SHAPES = (("float32", (64, 64)), ("bfloat16", (64, 48)), ("bfloat16", (64, 64)),
+                   ("float32", (96, 64)), ("float32", (64, 48)), ("bfloat16", (96, 64)))
+LAYER_MATRIX = tuple((*_PAIRS[i % 4], _STORAGES[(i + i // 4) % 4], *_COMPUTE_SHAPES[i % 6]) for i in range(12))
+
+
+def _layers(qt: str, dq: bool, storage: str, compute: str, shape: Tuple[int, int]) -> Any:
+    import bitsandbytes as bnb
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    fan_in, fan_out = shape
+    dims = ((fan_in, fan_out), (fan_out, fan_out), (fan_out, fan_out))
+    layers = [bnb.nn.Linear4bit(i, o, compute_dtype=getattr(torch, compute), compress_statistics=dq,
+                                quant_type=qt, quant_storage=getattr(torch, storage), bias=False) for i, o in dims]
+    return nn.Sequential(*layers).to("cpu").eval()  # quantizes on the CPU
+
+
+def offloaded_layer_matrix(workdir: Path) -> Dict[str, Any]:
+    """Three Linear4bit layers per combination of LAYER_MATRIX, the last two offloaded (disk via
+    ``dispatch_model``, and cpu via ``accelerate.cpu_offload``): two no_grad forwards equal the
+    in-memory layers, and the offloaded model's state dict (``get_state_dict_offloaded_model``)
+    is byte-equal to what was quantized."""
+    import copy
+
+    import accelerate
+    import torch
+    from accelerate.utils.modeling import get_state_dict_offloaded_model
+
+    from .bnb_offload import quantizes_on
+
+    repack = cpu_repack()
+    failures: List[str] = []
+    ran = 0
+    for combo in LAYER_MATRIX:
+        qt, dq, storage, compute, shape = combo
+        if not quantizes_on("cpu", qt):
+            continue
+        tag = f"{qt}/dq={dq}/{storage}/{compute}/{shape[0]}x{shape[1]}"
+        for offload in ("disk", "cpu"):
+            reference = _layers(*combo)
+            loaded = {k: v.clone() for k, v in reference.state_dict().items()}
+            model = copy.deepcopy(reference)
+            x = torch.randn(2, shape[0], generator=torch.Generator().manual_seed(1))
+            try:
+                with torch.no_grad():
+                    expected = reference(x)
+                    if offload == "disk":
+                        accelerate.dispatch_model(model, {"0": "cpu", "1": "disk", "2": "disk"},
+                                                  offload_dir=str(workdir / f"offload-{ran}"))
+                    else:
+                        accelerate.cpu_offload(model, execution_device=torch.device("cpu"))
+                    outputs = [model(x), model(x)]
+                if not all(torch.equal(out, expected) for out in outputs):
+                    failures.append(f"{tag} {offload}: output differs from the in-memory layers")
+                    continue
+                _assert_same_bytes(loaded, get_state_dict_offloaded_model(model), f"{tag} {offload}: state dict")
+            except Exception as exc:  # collected: one combination must not hide the others
+                failures.append(f"{tag} {offload}: {type(exc).__name__}: {str(exc)[:120]}")
+            ran += 1
+    if failures:
+        raise AssertionError(f"{len(failures)} of {ran} offloaded 4-bit cases fail: " + "; ".join(failures[:4]))
+    return {"max_abs_diff": 0.0, "cpu_repack": repack, "cases": ran}
+
+
+_HERE = __name__
+SCENARIOS = [
+    Scenario(PATCH_ID, "training-after-eval", f"{_HERE}:training_after_eval",
+             "QLoRA after one no_grad evaluation: the repacked 4-bit layers have no backward, LoRA "
+             "parameters get grad None (CPUs with AVX512-BF16)",
+             expected_error="AssertionError"),
+    Scenario(PATCH_ID, "save-after-forward", f"{_HERE}:save_after_forward",
+             "save_pretrained of a 4-bit checkpoint after forwards writes what was loaded (sha256 of the "
+             "files); upstream converts the repacked state back lossily",
+             expected_error="AssertionError"),
+    Scenario(PATCH_ID, "offloaded-layer-matrix", f"{_HERE}:offloaded_layer_matrix",
+             "Linear4bit layers offloaded to disk/cpu for nf4/fp4, double quant on/off, every "
+             "quant_storage, fp32/bf16 compute and shapes off the repack block: equal to in memory, "
+             "state dict byte-equal",
+             expected_error="AssertionError"),
+]
