@@ -131,6 +131,7 @@ PATCH = Patch(
         Target("bitsandbytes.nn.modules", "Linear4bit.forward",
                fingerprints=(
                    "a252fb566767a343",  # 0.50.2
+                   "a2daec5503259784",  # 0.49.2
                ),
                wrapper=linear4bit_forward),
     ),
