@@ -90,19 +90,21 @@ def training_after_eval(workdir: Path) -> Dict[str, Any]:
     path = base_checkpoint(workdir)
     reference, _ = _lora_grads(path, evaluate_first=False)
     grads, evaluated = _lora_grads(path, evaluate_first=True)
+    # in every message, so that an unpatched run still tells what its evaluation computed
+    logits_sha = _sha256(_tensor_bytes(evaluated))
     missing = sorted(n for n, g in grads.items() if g is None)
     if any(g is None for g in reference.values()):
         raise AssertionError("the never-evaluated reference has LoRA parameters without a gradient")
     if missing:
         raise AssertionError(f"after one no_grad forward, {len(missing)} of {len(grads)} LoRA parameters get "
-                             f"grad None (e.g. {missing[0]}): training trains nothing")
+                             f"grad None (e.g. {missing[0]}): training trains nothing [eval logits sha256 {logits_sha}]")
     diff = max(max_abs_diff(grads[n], reference[n]) for n in reference)
     unequal = sorted(n for n in reference if not grads[n].equal(reference[n]))
     if unequal:
         raise AssertionError(f"after one no_grad forward, {len(unequal)} LoRA gradients differ from a model "
-                             f"never evaluated (max abs diff {diff}), e.g. {unequal[0]}")
+                             f"never evaluated (max abs diff {diff}), e.g. {unequal[0]} [eval logits sha256 {logits_sha}]")
     return {"max_abs_diff": diff, "cpu_repack": repack, "lora_parameters": len(grads),
-            "eval_logits_sha256": _sha256(_tensor_bytes(evaluated))}
+            "eval_logits_sha256": logits_sha}
 
 
 # ---------------------------------------------------------------------------------------------
