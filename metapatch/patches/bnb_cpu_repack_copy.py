@@ -122,16 +122,21 @@ PATCH = Patch(
     id="bnb-cpu-repack-copy",
     title="bitsandbytes' CPU repacking of a 4-bit weight goes into a separate inference copy (training "
           "after evaluation back-propagates, state_dict writes the loaded bytes, any shape runs)",
-    # Measured on a CPU with AVX512-BF16 (torch 2.13): tiny Llama nf4 double quant + LoRA, one no_grad
-    # forward, then a training forward/backward: 16 of 16 LoRA parameters grad None unpatched, equal to
-    # a never-evaluated model patched, on bitsandbytes 0.49.2 (transformers 5.17.0) and 0.50.2 (5.24.0).
-    # 0.46.1 and 0.47.0 have no CPU repack (no _convert_weight_packed_for_cpu): not affected.
+    # Measured on a CPU with AVX512-BF16 (torch 2.13), selftest bnb-cpu-repack-copy/*: unpatched a tiny
+    # Llama nf4 double quant + LoRA gets grad None for 16 of 16 LoRA parameters after one no_grad forward,
+    # save_pretrained after forwards changes 84 of 179 tensors (nf4 dq), offloaded layers with a
+    # quant_storage other than uint8 or shapes off the repack block fail ("shape '[64, 64]' is invalid for
+    # input of size 2048", "N must be divisible by block_n"), and PEFT over a dispatched uint8 Llama
+    # differs from in memory; patched all equal, on bitsandbytes 0.49.2 (transformers 5.17.0, accelerate
+    # 1.14.0) and 0.50.2 (5.24.0, 1.15.0). The CPU repack first shipped in 0.49.0 (0.46.0-0.48.2 have
+    # no _convert_weight_packed_for_cpu: not affected); Linear4bit.forward is one variant over
+    # 0.49.0-0.49.2 and one over 0.50.0-0.50.2 (survey, static). No fixed release: upper end open.
     affects={"bitsandbytes": ">=0.49.0"},
     targets=(
         Target("bitsandbytes.nn.modules", "Linear4bit.forward",
                fingerprints=(
-                   "a252fb566767a343",  # 0.50.2
-                   "a2daec5503259784",  # 0.49.2
+                   "a252fb566767a343",  # 0.50.0, 0.50.1, 0.50.2
+                   "a2daec5503259784",  # 0.49.0, 0.49.1, 0.49.2
                ),
                wrapper=linear4bit_forward),
     ),
