@@ -111,7 +111,8 @@ def _cpu_repacks(runs) -> bool:
     return _passed(runs.get("training-after-eval", "patched"))["cpu_repack"]
 
 
-@pytest.mark.parametrize("name", sorted(PLAN))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "dispatched-models" else n
+                                  for n in sorted(PLAN)])  # the real models: slow, the layer matrix is not
 def test_without_this_patch(runs, name):
     mode = PLAN[name][0]
     outcome = runs.get(name, mode)
