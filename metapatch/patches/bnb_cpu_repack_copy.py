@@ -23,15 +23,19 @@ the portable weight, untouched. Shapes the repack cannot take run the portable k
 from __future__ import annotations
 
 import copy
+import os
 import weakref
 from typing import Any, Dict, Tuple
 
+from metapatch._offloaded_weights import offload_hooks
 from metapatch._records import MetapatchError, Patch, Target, Upstream
 
 # The repack kernel's column block (bitsandbytes' default block_n) and the nf4/fp4 types it has.
 _BLOCK_N = 32
 _QUANT_TYPES = ("nf4", "fp4")
 HOST_ATTR = "_metapatch_host_state"  # bnb-quant-state-offload's host copy: not part of a repack
+# On an offloaded Linear4bit: (source identity, packed weight, packed QuantState, source entry, host state).
+OFFLOAD_CACHE = "_metapatch_offloaded_cpu_pack"
 # id(Params4bit) -> (key, packed weight, packed QuantState, the portable state it came from); an entry goes when its parameter does.
 _PACKED: Dict[int, Tuple[Tuple[Any, ...], Any, Any, Any]] = {}
 
@@ -82,6 +86,56 @@ def _packed_copy(weight: Any, state: Any) -> Tuple[Any, Any]:
     return packed, packed_state
 
 
+def _weight_source(hook: Any) -> Tuple[Any, str, Any]:
+    """(offload folder or None, the weight's key, its entry) in the hook's weights map, or Nones:
+    accelerate's disk loader keeps an index entry per weight, cpu offload the tensor itself."""
+    weights_map = getattr(hook, "weights_map", None)
+    dataset, prefix = getattr(weights_map, "dataset", None), getattr(weights_map, "prefix", None)
+    if dataset is None or prefix is None:
+        return None, "", None
+    key = f"{prefix}weight"
+    in_ram = getattr(dataset, "state_dict", dataset if isinstance(dataset, dict) else {})
+    if key in in_ram:
+        return None, key, in_ram[key]
+    index = getattr(dataset, "index", {})
+    folder = getattr(dataset, "save_folder", None)
+    if key in index and folder is not None:
+        return folder, key, index[key]
+    return None, "", None
+
+
+def _offloaded_packed_copy(module: Any, hook: Any, weight: Any, state: Any) -> Any:
+    """The repacked copy of an offloaded weight, made once per load of its offload source rather
+    than at every forward (accelerate rebuilds the parameter at each one). Valid while the hook
+    reads the same source entry and bnb-quant-state-offload restores the same host state (the
+    format it was offloaded in); on disk the copy is itself offloaded, to a memory-mapped file in
+    the offload folder, so the layer keeps in RAM only the repacked absmax."""
+    import torch
+    from bitsandbytes.functional import _convert_weight_packed_for_cpu
+
+    folder, key, entry = _weight_source(hook)
+    host = state.__dict__.get(HOST_ATTR)
+    if entry is None or host is None:
+        return None
+    identity = (id(hook), key, id(entry), id(host), weight.dtype, tuple(weight.shape))
+    cached = module.__dict__.get(OFFLOAD_CACHE)
+    if cached is not None and cached[0] == identity and cached[3] is entry and cached[4] is host:
+        return cached[1], cached[2]
+    work = copy.copy(state)
+    work.__dict__.pop(HOST_ATTR, None)
+    packed, packed_state = _convert_weight_packed_for_cpu(weight.data, work)
+    if folder is not None:
+        import numpy as np
+
+        path = os.path.join(folder, f"{key}.metapatch-cpu-packed.dat")
+        array = np.memmap(path, dtype=np.uint8, mode="w+", shape=tuple(packed.shape))
+        array[...] = packed.numpy()
+        array.flush()
+        packed = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="r+", shape=tuple(packed.shape)))
+    module.__dict__[OFFLOAD_CACHE] = (identity, packed, packed_state, entry, host)
+    return packed, packed_state
+
+
 def linear4bit_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     x = _input(args, kwargs)
     weight = getattr(instance, "weight", None)
@@ -110,7 +164,9 @@ def linear4bit_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -
         finally:
             instance.support_avx512bf16_for_cpu = True
     portable = weight.data
-    packed, packed_state = _packed_copy(weight, state)
+    hooks = offload_hooks(instance)
+    packed_pair = _offloaded_packed_copy(instance, hooks[0], weight, state) if hooks else None
+    packed, packed_state = packed_pair if packed_pair is not None else _packed_copy(weight, state)
     weight.data, weight.quant_state = packed, packed_state
     try:
         return wrapped(*args, **kwargs)

@@ -9,9 +9,10 @@ skipping.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, Iterator, List, Tuple
 
 from ._harness import Scenario
 
@@ -191,6 +192,34 @@ def _layers(qt: str, dq: bool, storage: str, compute: str, shape: Tuple[int, int
     return nn.Sequential(*layers).to("cpu").eval()  # quantizes on the CPU
 
 
+@contextlib.contextmanager
+def _counting_repacks() -> Iterator[List[int]]:
+    """Counts bitsandbytes' CPU repacks (module and functional references alike)."""
+    import bitsandbytes.functional as F
+    import bitsandbytes.nn.modules as M
+
+    original = getattr(F, "_convert_weight_packed_for_cpu", None)
+    count = [0]
+    if original is None:  # a release without the CPU repack
+        yield count
+        return
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        return original(*args, **kwargs)
+
+    had_module_name = hasattr(M, "_convert_weight_packed_for_cpu")
+    F._convert_weight_packed_for_cpu = counted
+    if had_module_name:
+        M._convert_weight_packed_for_cpu = counted
+    try:
+        yield count
+    finally:
+        F._convert_weight_packed_for_cpu = original
+        if had_module_name:
+            M._convert_weight_packed_for_cpu = original
+
+
 def _forward_drift(loaded: Dict[str, Any], after: Dict[str, Any], what: str) -> int:
     """What the in-memory layers' forwards changed in their state dict: nothing, except that
     bitsandbytes 0.49.x's ``matmul_4bit`` records the input dtype as ``quant_state.dtype`` at
@@ -215,7 +244,8 @@ def _forward_drift(loaded: Dict[str, Any], after: Dict[str, Any], what: str) -> 
 def offloaded_layer_matrix(workdir: Path) -> Dict[str, Any]:
     """Three Linear4bit layers per combination of LAYER_MATRIX, the last two offloaded (disk via
     ``dispatch_model``, and cpu via ``accelerate.cpu_offload``): two no_grad forwards equal the
-    in-memory layers, and the offloaded model's state dict (``get_state_dict_offloaded_model``)
+    in-memory layers (the second without repacking: ``repacks_at_second_forward``), and the
+    offloaded model's state dict (``get_state_dict_offloaded_model``)
     is byte-equal to the in-memory one, which is what was quantized (see _forward_drift)."""
     import copy
 
@@ -227,7 +257,7 @@ def offloaded_layer_matrix(workdir: Path) -> Dict[str, Any]:
 
     repack = cpu_repack()
     failures: List[str] = []
-    ran = drifted = 0
+    ran = drifted = repacked_again = 0
     for combo in LAYER_MATRIX:
         qt, dq, storage, compute, shape = combo
         if not quantizes_on("cpu", qt):
@@ -246,7 +276,10 @@ def offloaded_layer_matrix(workdir: Path) -> Dict[str, Any]:
                                                   offload_dir=str(workdir / f"offload-{ran}"))
                     else:
                         accelerate.cpu_offload(model, execution_device=torch.device("cpu"))
-                    outputs = [model(x), model(x)]
+                    outputs = [model(x)]
+                    with _counting_repacks() as repacks:
+                        outputs.append(model(x))
+                    repacked_again += repacks[0]
                 if not all(torch.equal(out, expected) for out in outputs):
                     failures.append(f"{tag} {offload}: output differs from the in-memory layers")
                     continue
@@ -259,7 +292,7 @@ def offloaded_layer_matrix(workdir: Path) -> Dict[str, Any]:
     if failures:
         raise AssertionError(f"{len(failures)} of {ran} offloaded 4-bit cases fail: " + "; ".join(failures[:4]))
     return {"max_abs_diff": 0.0, "cpu_repack": repack, "cases": ran,
-            "quant_state_dtype_rewritten_by_forward": drifted}
+            "quant_state_dtype_rewritten_by_forward": drifted, "repacks_at_second_forward": repacked_again}
 
 
 def _tiny_gemma4(workdir: Path) -> Path:
