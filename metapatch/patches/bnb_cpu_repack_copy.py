@@ -1,0 +1,208 @@
+"""bitsandbytes' CPU repacking of a 4-bit weight goes into a separate inference copy.
+
+On a CPU with AVX512-BF16, bitsandbytes >= 0.49 repacks a 4-bit weight for its fused CPU kernel
+at the first forward in eval mode with an input that does not require grad (any
+``torch.no_grad()`` evaluation), in place and for good: ``weight.data`` and its ``QuantState``
+become the repacked layout (absmax in bfloat16, double quant undone). Afterwards
+
+* every forward runs ``bitsandbytes::gemv_4bit``, which has no autograd kernel: after one
+  evaluation, training gets no gradient to the layer's input, so QLoRA adapters below the last
+  4-bit layer stay at ``grad None`` (PyTorch only warns);
+* ``state_dict()`` / ``save_pretrained`` convert back lossily (absmax through bfloat16, double
+  quant re-quantized): the saved checkpoint is not the loaded one;
+* a weight whose shape the repack cannot take (out_features not a multiple of 32, in_features not
+  a multiple of the blocksize) fails its first no-grad forward with an ``AssertionError``.
+
+Here the layer keeps its portable form. Where upstream would repack, the forward runs on a
+repacked copy (built once per weight tensor, kept while that tensor lives, so an in-memory layer
+holds its 4-bit weight twice on such CPUs; an offloaded layer's copy goes with the reloaded
+weight). Outputs are the ones the repacked kernel gives; training forwards and serialization see
+the portable weight, untouched. Shapes the repack cannot take run the portable kernel.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import weakref
+from typing import Any, Dict, Tuple
+
+from metapatch._offloaded_weights import offload_hooks
+from metapatch._records import MetapatchError, Patch, Target, Upstream
+
+# The repack kernel's column block (bitsandbytes' default block_n) and the nf4/fp4 types it has.
+_BLOCK_N = 32
+_QUANT_TYPES = ("nf4", "fp4")
+HOST_ATTR = "_metapatch_host_state"  # bnb-quant-state-offload's host copy: not part of a repack
+# On an offloaded Linear4bit: (source identity, packed weight, packed QuantState, source entry, host state).
+OFFLOAD_CACHE = "_metapatch_offloaded_cpu_pack"
+# id(Params4bit) -> (key, packed weight, packed QuantState, the portable state it came from); an entry goes when its parameter does.
+_PACKED: Dict[int, Tuple[Tuple[Any, ...], Any, Any, Any]] = {}
+
+
+def _input(args: tuple, kwargs: dict) -> Any:
+    return args[0] if args else kwargs.get("x")
+
+
+def _upstream_would_repack(module: Any, x: Any, state: Any) -> bool:
+    """The condition of upstream's in-place repack (read from the same attributes)."""
+    return (getattr(x, "device", None) is not None and x.device.type == "cpu"
+            and getattr(module, "support_avx512bf16_for_cpu", False)
+            and not module.training and not x.requires_grad
+            and not getattr(state, "packing_format_for_cpu", False))
+
+
+def repackable(state: Any, weight: Any) -> bool:
+    """Whether the repack keeps the layer's meaning: per-row absmax blocks, whole column blocks,
+    and the weight holding exactly the bytes its shape needs."""
+    shape = tuple(getattr(state, "shape", ()) or ())
+    if len(shape) != 2 or state.quant_type not in _QUANT_TYPES or weight.device.type != "cpu":
+        return False
+    n, k = shape
+    blocksize = state.blocksize
+    return (n % _BLOCK_N == 0 and k % 2 == 0 and blocksize > 0 and k % blocksize == 0
+            and weight.numel() * weight.element_size() * 2 == n * k)
+
+
+def _key(weight: Any, state: Any) -> Tuple[Any, ...]:
+    absmax = state.absmax
+    return (weight.data_ptr(), weight._version, weight.dtype, id(state), absmax.data_ptr(), absmax._version)
+
+
+def _packed_copy(weight: Any, state: Any) -> Tuple[Any, Any]:
+    from bitsandbytes.functional import _convert_weight_packed_for_cpu
+
+    key = _key(weight, state)
+    entry = _PACKED.get(id(weight))
+    if entry is not None and entry[0] == key and entry[3] is state:
+        return entry[1], entry[2]
+    fresh = entry is None
+    work = copy.copy(state)  # the repack rebinds the state's fields; the portable ones stay as they are
+    work.__dict__.pop(HOST_ATTR, None)
+    packed, packed_state = _convert_weight_packed_for_cpu(weight.data, work)
+    _PACKED[id(weight)] = (key, packed, packed_state, state)
+    if fresh:
+        weakref.finalize(weight, _PACKED.pop, id(weight), None)
+    return packed, packed_state
+
+
+def _weight_source(hook: Any) -> Tuple[Any, str, Any]:
+    """(offload folder or None, the weight's key, its entry) in the hook's weights map, or Nones:
+    accelerate's disk loader keeps an index entry per weight, cpu offload the tensor itself."""
+    weights_map = getattr(hook, "weights_map", None)
+    dataset, prefix = getattr(weights_map, "dataset", None), getattr(weights_map, "prefix", None)
+    if dataset is None or prefix is None:
+        return None, "", None
+    key = f"{prefix}weight"
+    in_ram = getattr(dataset, "state_dict", dataset if isinstance(dataset, dict) else {})
+    if key in in_ram:
+        return None, key, in_ram[key]
+    index = getattr(dataset, "index", {})
+    folder = getattr(dataset, "save_folder", None)
+    if key in index and folder is not None:
+        return folder, key, index[key]
+    return None, "", None
+
+
+def _offloaded_packed_copy(module: Any, hook: Any, weight: Any, state: Any) -> Any:
+    """The repacked copy of an offloaded weight, made once per load of its offload source rather
+    than at every forward (accelerate rebuilds the parameter at each one). Valid while the hook
+    reads the same source entry and bnb-quant-state-offload restores the same host state (the
+    format it was offloaded in); on disk the copy is itself offloaded, to a memory-mapped file in
+    the offload folder, so the layer keeps in RAM only the repacked absmax."""
+    import torch
+    from bitsandbytes.functional import _convert_weight_packed_for_cpu
+
+    folder, key, entry = _weight_source(hook)
+    host = state.__dict__.get(HOST_ATTR)
+    if entry is None or host is None:
+        return None
+    identity = (id(hook), key, id(entry), id(host), weight.dtype, tuple(weight.shape))
+    cached = module.__dict__.get(OFFLOAD_CACHE)
+    if cached is not None and cached[0] == identity and cached[3] is entry and cached[4] is host:
+        return cached[1], cached[2]
+    work = copy.copy(state)
+    work.__dict__.pop(HOST_ATTR, None)
+    packed, packed_state = _convert_weight_packed_for_cpu(weight.data, work)
+    if folder is not None:
+        import numpy as np
+
+        path = os.path.join(folder, f"{key}.metapatch-cpu-packed.dat")
+        array = np.memmap(path, dtype=np.uint8, mode="w+", shape=tuple(packed.shape))
+        array[...] = packed.numpy()
+        array.flush()
+        packed = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="r+", shape=tuple(packed.shape)))
+    module.__dict__[OFFLOAD_CACHE] = (identity, packed, packed_state, entry, host)
+    return packed, packed_state
+
+
+def linear4bit_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    x = _input(args, kwargs)
+    weight = getattr(instance, "weight", None)
+    state = getattr(weight, "quant_state", None)
+    if x is None or state is None:
+        return wrapped(*args, **kwargs)
+    if getattr(state, "packing_format_for_cpu", False):
+        # Repacked in place before this patch was active: the portable form is gone (upstream's
+        # inverse is lossy), and the repacked kernel has no backward.
+        import torch
+
+        if torch.is_grad_enabled() and x.requires_grad:
+            raise MetapatchError(
+                "this bitsandbytes 4-bit layer was repacked in place for the CPU kernel (at a no-grad "
+                "forward before metapatch was active); that kernel has no backward, so gradients to "
+                "its input (and to adapters below it) would be None. Import metapatch before the "
+                "first forward, or reload the model (metapatch patch 'bnb-cpu-repack-copy').")
+        return wrapped(*args, **kwargs)
+    if not _upstream_would_repack(instance, x, state):
+        return wrapped(*args, **kwargs)
+    if not repackable(state, weight):
+        # The portable kernel: what a CPU without AVX512-BF16 runs for the same layer.
+        instance.support_avx512bf16_for_cpu = False
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            instance.support_avx512bf16_for_cpu = True
+    portable = weight.data
+    hooks = offload_hooks(instance)
+    packed_pair = _offloaded_packed_copy(instance, hooks[0], weight, state) if hooks else None
+    packed, packed_state = packed_pair if packed_pair is not None else _packed_copy(weight, state)
+    weight.data, weight.quant_state = packed, packed_state
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        weight.data, weight.quant_state = portable, state
+
+
+PATCH = Patch(
+    id="bnb-cpu-repack-copy",
+    title="bitsandbytes' CPU repacking of a 4-bit weight goes into a separate inference copy (training "
+          "after evaluation back-propagates, state_dict writes the loaded bytes, any shape runs)",
+    # Measured on a CPU with AVX512-BF16 (torch 2.13), selftest bnb-cpu-repack-copy/*: unpatched a tiny
+    # Llama nf4 double quant + LoRA gets grad None for 16 of 16 LoRA parameters after one no_grad forward,
+    # save_pretrained after forwards changes 84 of 179 tensors (nf4 dq), offloaded layers with a
+    # quant_storage other than uint8 or shapes off the repack block fail ("shape '[64, 64]' is invalid for
+    # input of size 2048", "N must be divisible by block_n"), and PEFT over a dispatched uint8 Llama
+    # differs from in memory; patched all equal, on bitsandbytes 0.49.2 (transformers 5.17.0, accelerate
+    # 1.14.0) and 0.50.2 (5.24.0, 1.15.0). The CPU repack first shipped in 0.49.0 (0.46.0-0.48.2 have
+    # no _convert_weight_packed_for_cpu: not affected); Linear4bit.forward is one variant over
+    # 0.49.0-0.49.2 and one over 0.50.0-0.50.2 (survey, static). No fixed release: upper end open.
+    affects={"bitsandbytes": ">=0.49.0"},
+    targets=(
+        Target("bitsandbytes.nn.modules", "Linear4bit.forward",
+               fingerprints=(
+                   "a252fb566767a343",  # 0.50.0, 0.50.1, 0.50.2
+                   "a2daec5503259784",  # 0.49.0, 0.49.1, 0.49.2
+               ),
+               wrapper=linear4bit_forward),
+    ),
+    upstream=Upstream(
+        bug=("https://github.com/bitsandbytes-foundation/bitsandbytes/blob/main/bitsandbytes/nn/modules.py",),
+        forwarded="no",
+        note="No upstream issue found filed; bitsandbytes 0.50.2 and main are affected. The diff keeps the "
+             "repacked copy on the Params4bit (freed with it), where this patch keeps it in a table keyed "
+             "by the parameter's identity.",
+    ),
+    diffs=("upstream_diffs/bnb-cpu-repack-copy/bitsandbytes.diff",),
+    selftest="metapatch.selftest.bnb_cpu_repack",
+)
