@@ -81,7 +81,9 @@ PATCH = Patch(
     id=PATCH_ID,
     title="accelerate FSDP2 cpu_ram_efficient_loading loads persistent buffers (no 'Tensor' has no "
           "attribute 'device_mesh'; BART final_logits_bias, MoE e_score_correction_bias)",
-    affects={"accelerate": ">=1.10"},
+    # Measured (two ranks, gloo): 1.14.0 and 1.15.0 affected. Earlier releases have other variants
+    # of the function (survey table) and are not claimed until measured.
+    affects={"accelerate": ">=1.14"},
     targets=(
         Target("accelerate.utils.fsdp_utils", "fsdp2_load_full_state_dict",
                fingerprints=("1081cdc7e47bd279",),  # accelerate 1.14.0, 1.15.0

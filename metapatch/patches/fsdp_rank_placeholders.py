@@ -123,7 +123,10 @@ PATCH = Patch(
     id=PATCH_ID,
     title="FSDP cpu_ram_efficient_loading: ranks != 0 never keep from_pretrained's placeholders "
           "(evaluation-only models, missing keys, non-persistent buffers)",
-    affects={"transformers": ">=5.0", "accelerate": ">=1.10"},
+    # Measured (two ranks, gloo): transformers 5.17.0 (every rank-1 tensor zeros) and 5.24.0 (missing
+    # keys on meta) with accelerate 1.14.0 / 1.15.0. Releases before 5.16 have other variants of the
+    # transformers target (survey table) and are not claimed until measured.
+    affects={"transformers": ">=5.16", "accelerate": ">=1.14"},
     targets=(
         Target("transformers.modeling_utils", "PreTrainedModel._move_missing_keys_from_meta_to_device",
                fingerprints=("c983ef0a97739742",  # transformers 5.17.0
