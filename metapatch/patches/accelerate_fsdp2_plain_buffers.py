@@ -6,10 +6,11 @@ The function walks the model's state dict after ``fully_shard`` and reads ``.dev
 are in the state dict but are never sharded, so any model with one fails in ``accelerator.prepare``:
 ``AttributeError: 'Tensor' object has no attribute 'device_mesh'`` (BART's ``final_logits_bias``,
 the ``e_score_correction_bias`` of DeepSeek-V3-style MoE gates; huggingface/accelerate#3898, both fix
-PRs closed unmerged). Measured on accelerate 1.14.0 and 1.15.0 with two ranks (gloo).
+PRs closed unmerged). Measured on accelerate 1.13.0, 1.14.0 and 1.15.0 with two ranks (gloo).
 
-The wrapper takes the plain entries out of the state dict upstream sees (marked non-persistent for
-the duration of the call, so upstream's strict ``load_state_dict`` does not expect them), lets
+The wrapper takes the plain entries out of the state dicts upstream sees (the model's: marked
+non-persistent for the duration of the call, so upstream's strict ``load_state_dict`` does not expect
+them; rank 0's full one: filtered, since accelerate 1.13 zips the two), lets
 upstream load the sharded parameters, restores the buffers' persistence and broadcasts each buffer
 from rank 0's full state dict to every rank, unsharded, as FSDP2 keeps buffers. A model whose state
 dict holds only DTensors goes to upstream untouched.
@@ -42,15 +43,18 @@ def _load_full_state_dict(wrapped: Any, instance: Any, args: tuple, kwargs: dict
     plain = _plain_entries(model) if model is not None else []
     if not plain:
         return wrapped(*args, **kwargs)
+    full_sd = bound.arguments.get("full_sd") or {}
+    names = {fqn for fqn, _, _ in plain}
+    # Out of both sides: accelerate <= 1.13 zips rank 0's full state dict with the model's entries.
+    bound.arguments["full_sd"] = {key: value for key, value in full_sd.items() if key not in names}
     for _, module, name in plain:
         module._non_persistent_buffers_set.add(name)
     try:
-        result = wrapped(*args, **kwargs)
+        result = wrapped(*bound.args, **bound.kwargs)
     finally:
         for _, module, name in plain:
             module._non_persistent_buffers_set.discard(name)
-    _broadcast_buffers(bound.arguments["accelerator"], plain, bound.arguments.get("full_sd") or {},
-                       bool(bound.arguments.get("cpu_offload", False)))
+    _broadcast_buffers(bound.arguments["accelerator"], plain, full_sd, bool(bound.arguments.get("cpu_offload", False)))
     return result
 
 
@@ -81,12 +85,13 @@ PATCH = Patch(
     id=PATCH_ID,
     title="accelerate FSDP2 cpu_ram_efficient_loading loads persistent buffers (no 'Tensor' has no "
           "attribute 'device_mesh'; BART final_logits_bias, MoE e_score_correction_bias)",
-    # Measured (two ranks, gloo): 1.14.0 and 1.15.0 affected. Earlier releases have other variants
-    # of the function (survey table) and are not claimed until measured.
-    affects={"accelerate": ">=1.14"},
+    # Measured (two ranks, gloo): 1.13.0, 1.14.0 and 1.15.0 affected. Earlier releases have other
+    # variants of the function (survey table) and are not claimed until measured.
+    affects={"accelerate": ">=1.13"},
     targets=(
         Target("accelerate.utils.fsdp_utils", "fsdp2_load_full_state_dict",
-               fingerprints=("1081cdc7e47bd279",),  # accelerate 1.14.0, 1.15.0
+               fingerprints=("e1540c0e57436bb2",  # accelerate 1.13.0
+                             "1081cdc7e47bd279"),  # accelerate 1.14.0, 1.15.0
                wrapper=_load_full_state_dict,
                aliases=("accelerate.utils:fsdp2_load_full_state_dict",)),
     ),

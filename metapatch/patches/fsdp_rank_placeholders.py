@@ -123,21 +123,24 @@ PATCH = Patch(
     id=PATCH_ID,
     title="FSDP cpu_ram_efficient_loading: ranks != 0 never keep from_pretrained's placeholders "
           "(evaluation-only models, missing keys, non-persistent buffers)",
-    # Measured (two ranks, gloo): transformers 5.17.0 (every rank-1 tensor zeros) and 5.24.0 (missing
-    # keys on meta) with accelerate 1.14.0 / 1.15.0. Releases before 5.16 have other variants of the
-    # transformers target (survey table) and are not claimed until measured.
-    affects={"transformers": ">=5.16", "accelerate": ">=1.14"},
+    # Measured (two ranks, gloo): transformers 5.11.0 / accelerate 1.13.0 and 5.17.0 / 1.14.0 (every
+    # rank-1 tensor zeros), 5.24.0 / 1.15.0 (missing keys on meta). Releases before 5.7 and 1.13 have
+    # other variants of the targets (survey table) and are not claimed until measured.
+    affects={"transformers": ">=5.7", "accelerate": ">=1.13"},
     targets=(
         Target("transformers.modeling_utils", "PreTrainedModel._move_missing_keys_from_meta_to_device",
-               fingerprints=("c983ef0a97739742",  # transformers 5.17.0
-                             "c92710a756fd8d14"),  # transformers 5.24.0
+               fingerprints=("eed015c788f0819c",  # transformers 5.7.0 .. 5.15.1
+                             "c983ef0a97739742",  # transformers 5.16.0 .. 5.22.2
+                             "c92710a756fd8d14"),  # transformers 5.23.0, 5.24.0
                wrapper=_move_missing_keys),
         Target("accelerate.accelerator", "Accelerator.prepare_model",
-               fingerprints=("2b6563672810ed61",  # accelerate 1.14.0
+               fingerprints=("aad7fb2d2c1ed103",  # accelerate 1.13.0
+                             "2b6563672810ed61",  # accelerate 1.14.0
                              "39d2ccde29f46bbe"),  # accelerate 1.15.0
                wrapper=_prepare_model),
         Target("accelerate.utils.fsdp_utils", "fsdp2_prepare_model",
-               fingerprints=("13a713c1f6c4e775",  # accelerate 1.14.0
+               fingerprints=("1a0bf6a75352e1ea",  # accelerate 1.13.0
+                             "13a713c1f6c4e775",  # accelerate 1.14.0
                              "fcc073ba365290bd"),  # accelerate 1.15.0
                wrapper=_fsdp2_prepare_model,
                aliases=("accelerate.utils:fsdp2_prepare_model", "accelerate.accelerator:fsdp2_prepare_model")),

@@ -128,12 +128,15 @@ def run_ranks(function: str, workdir: Path, *, world_size: int = 2, timeout: flo
 
 
 def raise_first_error(reports: List[Dict[str, Any]]) -> None:
-    """Re-raise the first failing rank's error in the caller, with its class name kept, so a
-    scenario fails the way the rank failed (the harness reports ``error_type``)."""
-    for report in reports:
-        if not report["ok"]:
-            error_class = type(report["error_type"], (RuntimeError,), {})
-            raise error_class(f"rank {report['rank']}: {report['error']}\n{report.get('traceback', '')[-2000:]}")
+    """Re-raise a failing rank's error in the caller, with its class name kept, so a scenario fails
+    the way the rank failed (the harness reports ``error_type``): the rank's own error before a
+    peer's "connection reset" or a crash without a result."""
+    def secondary(report: Dict[str, Any]) -> bool:  # a peer's crash seen from a healthy rank
+        return report["error_type"] in ("RankCrashed", "TimeoutExpired") or "gloo" in report.get("error", "")
+
+    for report in sorted((r for r in reports if not r["ok"]), key=secondary):
+        error_class = type(report["error_type"], (RuntimeError,), {})
+        raise error_class(f"rank {report['rank']}: {report['error']}\n{report.get('traceback', '')[-2000:]}")
 
 
 def fsdp_accelerator(**kwargs: Any) -> Any:
