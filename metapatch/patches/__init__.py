@@ -9,11 +9,13 @@ stay import-cheap: anything from torch or the Hugging Face stack is imported ins
 INDEX = {
     'accelerate-dispatch-skip-keys': ('accelerate_dispatch_skip_keys', ('accelerate.big_modeling',)),
     'accelerate-emptiness-probe': ('accelerate_emptiness_probe', ('accelerate.hooks',)),
+    'accelerate-fsdp2-plain-buffers': ('accelerate_fsdp2_plain_buffers', ('accelerate.utils.fsdp_utils',)),
     'accelerate-tie-before-load': ('accelerate_tie_before_load', ('accelerate.big_modeling', 'accelerate.utils.modeling')),
     'bnb-cpu-repack-copy': ('bnb_cpu_repack_copy', ('bitsandbytes.nn.modules',)),
     'bnb-params4bit-extra-attributes': ('bnb_params4bit_extra_attributes', ('bitsandbytes.nn.modules',)),
     'bnb-quant-state-offload': ('bnb_quant_state_offload', ('bitsandbytes.functional', 'bitsandbytes.nn.modules')),
     'diffusion-gemma-offloaded-embeddings': ('diffusion_gemma_offloaded_embeddings', ('transformers.models.diffusion_gemma.modeling_diffusion_gemma',)),
+    'fsdp-rank-placeholders': ('fsdp_rank_placeholders', ('transformers.modeling_utils', 'accelerate.accelerator', 'accelerate.utils.fsdp_utils')),
     'gemma4-offloaded-embeddings': ('gemma4_offloaded_embeddings', ('transformers.models.gemma4.modeling_gemma4',)),
     'gguf-lazy-eager-mix': ('gguf_lazy_eager_mix', ('gguf.lazy',)),
     'offloaded-model-device': ('offloaded_model_device', ('transformers.modeling_utils',)),
