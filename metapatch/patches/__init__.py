@@ -18,6 +18,7 @@ INDEX = {
     'offloaded-model-device': ('offloaded_model_device', ('transformers.modeling_utils',)),
     'offloaded-model-device-v4': ('offloaded_model_device_v4', ('transformers.modeling_utils',)),
     'offloaded-move-guard': ('offloaded_move_guard', ('torch.nn.modules.module', 'accelerate.hooks')),
+    'offloaded-outside-reads': ('offloaded_outside_reads', ('accelerate.hooks',)),
     'offloaded-resize-token-embeddings': ('offloaded_resize_token_embeddings', ('transformers.modeling_utils',)),
     'peft-offload-redispatch': ('peft_offload_redispatch', ('peft.peft_model', 'peft.mixed_model', 'peft.tuners.tuners_utils')),
     'tied-device-map-accelerate': ('tied_device_map_accelerate', ('accelerate.utils.modeling',)),
