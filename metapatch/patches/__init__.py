@@ -15,6 +15,7 @@ INDEX = {
     'diffusion-gemma-offloaded-embeddings': ('diffusion_gemma_offloaded_embeddings', ('transformers.models.diffusion_gemma.modeling_diffusion_gemma',)),
     'gemma4-offloaded-embeddings': ('gemma4_offloaded_embeddings', ('transformers.models.gemma4.modeling_gemma4',)),
     'gguf-lazy-eager-mix': ('gguf_lazy_eager_mix', ('gguf.lazy',)),
+    'offloaded-dtype-conversion': ('offloaded_dtype_conversion', ('transformers.integrations.accelerate',)),
     'offloaded-model-device': ('offloaded_model_device', ('transformers.modeling_utils',)),
     'offloaded-model-device-v4': ('offloaded_model_device_v4', ('transformers.modeling_utils',)),
     'offloaded-move-guard': ('offloaded_move_guard', ('torch.nn.modules.module', 'accelerate.hooks')),

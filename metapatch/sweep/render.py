@@ -87,6 +87,10 @@ def markdown(archs: List[Tuple[str, str]], results: Dict[Tuple[str, str], Option
         f"{len(summary['broken'])} architectures do not build or run in memory (listed below), "
         f"{len(summary['missing'])} not run yet.",
         "",
+        "Patched legs measured with metapatch code digest(s) "
+        + ", ".join(sorted({str(r.get("key", "?")).partition("-")[2] for (a, leg), r in results.items()
+                            if r and leg == "patched"})) + " (`metapatch.sweep.cache_keys`).",
+        "",
         f"Sum of the per-architecture wall times below: {total_s / 60:.1f} min (two processes per architecture, "
         "one at a time).",
         "",

@@ -27,7 +27,10 @@ def load(stack_dir: Path, arch: str, leg: str, key: Optional[str]) -> Optional[D
         result = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    if key is not None and result.get("key") != key:
+    if key is not None and key.endswith("*"):
+        if not str(result.get("key", "")).startswith(key[:-1]):
+            return None
+    elif key is not None and result.get("key") != key:
         return None
     return result
 
@@ -82,8 +85,10 @@ def _clock(seconds: float) -> str:
 
 
 def run_all(archs: List[Tuple[str, str]], keys: Dict[str, str], stack_dir: Path, timeout: float, jobs: int,
-            legs: Tuple[str, ...] = LEGS, log: Callable[[str], None] = print) -> float:
-    """Run every (architecture, leg) missing from the cache; returns the wall time spent."""
+            legs: Tuple[str, ...] = LEGS, log: Callable[[str], None] = print,
+            stamp: Optional[Dict[str, str]] = None) -> float:
+    """Run every (architecture, leg) missing from the cache (``keys`` as for :func:`load`); the new results
+    are stamped with ``stamp`` (default ``keys``). Returns the wall time spent."""
     todo = [(arch, model_type, leg) for arch, model_type in archs for leg in legs
             if load(stack_dir, arch, leg, keys[leg]) is None]
     cached = len(archs) * len(legs) - len(todo)
@@ -94,7 +99,7 @@ def run_all(archs: List[Tuple[str, str]], keys: Dict[str, str], stack_dir: Path,
 
     def one(item: Tuple[str, str, str]) -> Tuple[Tuple[str, str, str], Dict[str, Any]]:
         arch, model_type, leg = item
-        return item, run_leg(arch, model_type, leg, keys[leg], stack_dir, timeout)
+        return item, run_leg(arch, model_type, leg, (stamp or keys)[leg], stack_dir, timeout)
 
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         for (arch, _, leg), result in pool.map(one, todo):
