@@ -4,7 +4,7 @@ of the in-memory model (no per-architecture names).
 *Layer lists* are the outermost ``nn.ModuleList``s whose entries are of a class the model names in
 ``_no_split_modules`` (else the ``ModuleList`` holding the most parameters). The *top-level units*
 are every other child of a module on the path from the root to a layer list (``model.embed_tokens``,
-``model.norm``, ``lm_head``...), plus parameters held directly by such a path module.
+``model.norm``, ``lm_head``...), plus parameters and persistent buffers held directly by such a path module.
 """
 
 from __future__ import annotations
@@ -58,6 +58,10 @@ def units(model: Any) -> Tuple[List[str], List[List[str]]]:
     def walk(module: Any, prefix: str) -> None:
         for pname, _ in module.named_parameters(recurse=False):
             top.append(prefix + pname)
+        # persistent buffers held by a path module (Bart's final_logits_bias): in the checkpoint, so in the map
+        for bname, _ in module.named_buffers(recurse=False):
+            if bname not in module._non_persistent_buffers_set:
+                top.append(prefix + bname)
         for cname, child in module.named_children():
             full = prefix + cname
             if full in layers:
