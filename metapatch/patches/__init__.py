@@ -9,6 +9,7 @@ stay import-cheap: anything from torch or the Hugging Face stack is imported ins
 INDEX = {
     'accelerate-dispatch-skip-keys': ('accelerate_dispatch_skip_keys', ('accelerate.big_modeling',)),
     'accelerate-emptiness-probe': ('accelerate_emptiness_probe', ('accelerate.hooks',)),
+    'accelerate-root-disk-map': ('accelerate_root_disk_map', ('accelerate.utils.offload',)),
     'accelerate-tie-before-load': ('accelerate_tie_before_load', ('accelerate.big_modeling', 'accelerate.utils.modeling')),
     'bnb-params4bit-extra-attributes': ('bnb_params4bit_extra_attributes', ('bitsandbytes.nn.modules',)),
     'bnb-quant-state-offload': ('bnb_quant_state_offload', ('bitsandbytes.functional', 'bitsandbytes.nn.modules')),
