@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N architectures")
     parser.add_argument("--sample", action="store_true", help="only the fixed CI sample (metapatch.sweep.SAMPLE)")
     parser.add_argument("--rerun", action="store_true", help="ignore cached results of the selected architectures")
-    parser.add_argument("--timeout", type=float, default=600, metavar="SECONDS", help="per architecture and leg")
+    parser.add_argument("--timeout", type=float, default=300, metavar="SECONDS", help="per architecture and leg")
     parser.add_argument("--jobs", type=int, default=1, help="legs run at once (default 1)")
     parser.add_argument("--output", default=None, metavar="FILE", help="write the table here (default docs/sweep.md)")
     parser.add_argument("--stale-ok", action="store_true",

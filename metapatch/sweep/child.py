@@ -21,6 +21,7 @@ from typing import Any, Dict
 ATOL = 1e-5
 RTOL = 1e-4
 NEW_TOKENS = 3
+MAX_PARAMETERS = 5_000_000
 
 
 def _error(exc: BaseException) -> Dict[str, Any]:
@@ -112,6 +113,11 @@ def run(class_name: str, model_type: str, leg: str, workdir: str) -> Dict[str, A
     try:
         model_class = getattr(transformers, class_name)
         config = shrink.tiny_config(CONFIG_MAPPING[model_type])
+        with torch.device("meta"):  # size it before allocating: a config the rules missed must not exhaust memory
+            size = sum(p.numel() for p in model_class(config).parameters())
+        if size > MAX_PARAMETERS:
+            raise ValueError(f"still {size / 1e6:.1f}M parameters after shrinking (limit {MAX_PARAMETERS / 1e6:.0f}M): "
+                             f"a size attribute the rules in metapatch/sweep/shrink.py do not know")
         torch.manual_seed(0)
         built = model_class(config).eval()
         result["parameters"] = sum(p.numel() for p in built.parameters())

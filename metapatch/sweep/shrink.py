@@ -5,7 +5,7 @@ says what it sizes is shrunk (rules below, first match wins), and the class is b
 that dict, so ``__init__`` re-derives what depends on the sizes (``layer_types``, head dims,
 rope parameters). Nested sub-configs (``text_config``, ``vision_config``, ``encoder``...) are
 shrunk the same way. Derived lists whose length follows the layer count are dropped so that
-``__init__`` recomputes them; token ids above the shrunk vocabulary are moved inside it. A config
+``__init__`` recomputes them (so are lists and dicts whose key names a layer); token ids above the shrunk vocabulary are moved inside it. A config
 this cannot shrink consistently fails to build or run in memory, and the sweep lists it with
 the error (docs/sweep.md, "cannot build").
 """
@@ -13,6 +13,7 @@ the error (docs/sweep.md, "cannot build").
 from __future__ import annotations
 
 import re
+import zlib
 from typing import Any, Callable, Dict, List, Tuple
 
 HIDDEN = 64
@@ -26,7 +27,8 @@ VOCAB = 256
 # smaller than the rule's is kept (a 2-expert config stays 2 experts).
 _Rule = Tuple[str, Any]
 RULES: List[_Rule] = [
-    (r"(^|_)vocab_size$", VOCAB),
+    (r"per_layer_input$", 8),
+    (r"vocab_size", VOCAB),
     (r"key_value_heads|kv_heads|num_kv", KV_HEADS),
     (r"(^|_)(num_)?(attention_)?heads$|^n_head$|_attention_heads$|^num_heads$|^n_heads$", HEADS),
     (r"head_dim$|^d_kv$|^kv_channels$|_head_dim$", HEAD_DIM),
@@ -63,14 +65,16 @@ def _shrink_value(key: str, value: Any) -> Any:
 
 
 def _fix_token_ids(values: Dict[str, Any]) -> None:
-    vocab = values.get("vocab_size")
-    if not isinstance(vocab, int):
-        return
+    # A composite config keeps its special ids at the top and the vocabulary in its text config.
+    nested = [v.get("vocab_size") for v in values.values() if isinstance(v, dict)]
+    sizes = [v for v in [values.get("vocab_size"), *nested] if isinstance(v, int) and not isinstance(v, bool)]
+    vocab = sizes[0] if "vocab_size" in values and sizes else min(sizes, default=VOCAB)
     for key, value in list(values.items()):
-        if not _TOKEN_ID.search(key):
+        if not _TOKEN_ID.search(str(key)):
             continue
         if isinstance(value, int) and not isinstance(value, bool) and value >= vocab:
-            values[key] = vocab - 1 - (hash(key) % 8)
+            # spread over the top 16 ids (a deterministic function of the name: both legs build the same config)
+            values[key] = vocab - 1 - (zlib.crc32(str(key).encode()) % 16)
         elif isinstance(value, list):
             values[key] = [v if not isinstance(v, int) or v < vocab else vocab - 1 - i for i, v in enumerate(value)]
 
@@ -78,12 +82,12 @@ def _fix_token_ids(values: Dict[str, Any]) -> None:
 def shrink_dict(values: Dict[str, Any]) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     for key, value in values.items():
-        if isinstance(value, dict) and ("model_type" in value or key.endswith("config") or key in ("encoder", "decoder")):
+        if isinstance(value, (list, tuple, dict)) and (_DERIVED_LISTS.search(str(key)) or "layer" in str(key)):
+            continue  # sized or keyed by the layer count (layer_types, per_layer_config): __init__ derives it again
+        if isinstance(value, dict) and ("model_type" in value or str(key).endswith("config") or key in ("encoder", "decoder")):
             out[key] = shrink_dict(value)
-        elif _DERIVED_LISTS.search(key) and isinstance(value, (list, tuple)):
-            continue
         else:
-            out[key] = _shrink_value(key, value)
+            out[key] = _shrink_value(str(key), value)
     _fix_token_ids(out)
     return out
 
@@ -99,9 +103,16 @@ def tiny_config(config_class: Callable[..., Any]) -> Any:
     except Exception:
         # Some __init__s reject their own to_dict(); shrink the attributes of the default instead.
         for key, value in values.items():
-            if not isinstance(value, dict):
+            current = getattr(default, key, None)
+            if isinstance(value, dict) and hasattr(current, "to_dict"):
                 try:
-                    setattr(default, key, value)
+                    value = type(current)(**value)  # a sub-config: shrunk the same way
                 except Exception:
-                    pass
+                    continue
+            elif isinstance(value, dict):
+                continue
+            try:
+                setattr(default, key, value)
+            except Exception:
+                pass
         return default
