@@ -1,7 +1,6 @@
 """``metapatch sweep``: every causal-LM and seq2seq architecture of the installed transformers,
 built tiny, saved, loaded with several offload placements and compared with the in-memory model,
-without and with metapatch. The parent never imports torch: each leg of each architecture is
-its own process (metapatch.sweep.child), results are cached per stack (resumable), and
+without and with metapatch. The parent runs no model: each leg of each architecture is its own process (metapatch.sweep.child), results are cached per stack (resumable), and
 docs/sweep.md is rendered from the cache (metapatch.sweep.render)."""
 
 from __future__ import annotations
@@ -16,11 +15,11 @@ PACKAGE = Path(__file__).resolve().parent
 REPO = PACKAGE.parent.parent
 LEGS = ("unpatched", "patched")
 
-# The CI sample (tests/test_sweep.py): a plain decoder, a Conv1D decoder with learned positions
-# and tied head, an encoder-decoder, a mixture of experts, scaled tied embeddings, and an
-# architecture whose forward reads an offloaded child's tensor outside the child's hook.
-SAMPLE = ("LlamaForCausalLM", "GPT2LMHeadModel", "T5ForConditionalGeneration", "MixtralForCausalLM",
-          "GemmaForCausalLM", "Gemma3ForCausalLM")
+# The CI sample (tests/test_sweep.py): a plain decoder, a Conv1D decoder with learned positions and a
+# tied head, two encoder-decoders (T5; Bart with a top-level buffer, final_logits_bias), a mixture of
+# experts, and a decoder with scaled embeddings and sliding-window layers.
+SAMPLE = ("LlamaForCausalLM", "GPT2LMHeadModel", "T5ForConditionalGeneration", "BartForConditionalGeneration",
+          "MixtralForCausalLM", "Gemma3ForCausalLM")
 
 
 def architectures() -> List[Tuple[str, str]]:

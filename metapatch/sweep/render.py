@@ -32,7 +32,7 @@ def _cell_state(row: Optional[Dict[str, Any]]) -> Optional[str]:
 
 def _error_text(row: Dict[str, Any]) -> str:
     if row["status"] == "wrong":
-        return f"wrong: {row['detail']}"
+        return f"wrong: {row.get('detail', '')}"
     return f"{row.get('type')}: {row.get('message')} ({row.get('where', '')})"
 
 
