@@ -1,7 +1,8 @@
 """accelerate-root-disk-map: a device map that puts the whole model on disk (``{"": "disk"}``, what
 ``infer_auto_device_map`` returns when no execution device has room for anything) dispatches: the whole
 state dict is offloaded and every module loads its weights from disk in its forward. Upstream
-``dispatch_model`` fails with ``FileNotFoundError: .../index.json``.
+``dispatch_model`` (1.15.0) fails with ``FileNotFoundError: .../index.json``; releases up to 1.14 refused
+the map with a clear ``ValueError`` (use ``disk_offload``), a check 1.15.0 removed.
 
 ``dispatch_model`` offloads the weights of the map's disk entries with ``extract_submodules_state_dict``,
 which keeps the keys equal to an entry or under ``entry + "."``. For the root entry ``""`` that is no key
@@ -32,7 +33,10 @@ PATCH = Patch(
     id=PATCH_ID,
     title='a device map with the whole model on disk ({"": "disk"}, as infer_auto_device_map returns it when '
           'nothing fits) dispatches instead of failing on a missing index.json',
-    affects={"accelerate": ">=1.0"},
+    # accelerate <= 1.14 refuses the map with a clear ValueError ("offload the whole model to the disk. Please
+    # use the `disk_offload` function instead"); 1.15.0 dropped that check and fails on the missing index
+    # (read in each release's wheel; measured: 1.14.0 ValueError, 1.15.0 FileNotFoundError).
+    affects={"accelerate": ">=1.15.0"},
     targets=(
         Target("accelerate.utils.offload", "extract_submodules_state_dict",
                fingerprints=("183a14add7f37f99",),  # accelerate 1.10.0 - 1.15.0

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict
 
+from . import NotApplicable
 from ._harness import Scenario
 from ._models import input_ids, tiny_llama_config
 
@@ -40,7 +41,13 @@ def inferred_all_on_disk(workdir: Path) -> Dict[str, Any]:
     device_map = infer_auto_device_map(model, max_memory={"cpu": 0})
     if dict(device_map) != {"": "disk"}:
         raise AssertionError(f"expected the whole model on disk, infer_auto_device_map gave {dict(device_map)}")
-    dispatch_model(model, device_map=device_map, offload_dir=str(workdir / "offload"))
+    try:
+        dispatch_model(model, device_map=device_map, offload_dir=str(workdir / "offload"))
+    except ValueError as exc:
+        if "offload the whole model to the disk" in str(exc):
+            # accelerate <= 1.14: a clear refusal that says what to do, not this bug
+            raise NotApplicable(f"this accelerate refuses the map with a clear error: {exc}") from exc
+        raise
     with torch.no_grad():
         got, tokens = model(ids).logits, _greedy(model, ids)
     if not torch.equal(got, expected):
