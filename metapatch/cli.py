@@ -9,7 +9,7 @@ import sys
 from typing import List, Optional
 
 COMMANDS = ("status", "selftest", "doctor", "diffs", "pr", "pins", "fingerprint", "survey", "run", "enable", "disable",
-            "explain")
+            "explain", "sweep")
 
 EPILOG = """environment:
   METAPATCH_DISABLE=id1,id2|all   do not install these patches (ids as in `metapatch status`)

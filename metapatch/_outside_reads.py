@@ -1,0 +1,183 @@
+"""Tensors of an offloaded module read outside that module's own forward, for any architecture.
+
+accelerate loads an offloaded module's weights only inside the module's own forward (its
+``AlignDevicesHook``). Model code that reads them elsewhere meets the meta placeholder: a parent's
+forward reading ``self.embed_tokens.weight[pad_id]`` or ``x + self.child.bias``, placing inputs by
+``self.embed_tokens.weight.device``, or calling a child's method other than ``forward``
+(``self.experts.map(x)``), whose body reads the child's own tensors.
+
+At dispatch, once per model, every module's class ``forward`` source is read (once per class, cached)
+for ``self.<child>...<tensor>`` chains and ``self.<child>...<method>(...)`` calls; a called method is
+read the same way, relative to the module it is called on (a few levels deep). Each chain is resolved on
+the live module tree: a chain ending on a parameter or buffer of another module is a read outside that
+module's hook. The reader gets a torch forward pre-hook and an always-called forward hook that keep
+those modules materialised (metapatch._offloaded_weights.materialised: the accelerate hook's own
+``pre_forward`` / ``post_forward``) for the duration of the reader's forward, so the reads see the
+real tensors on the execution device and memory is held only while the reader runs. Modules that read
+nothing outside get no hook: no per-op cost. A read whose tensor is on meta with no accelerate hook to
+load it from raises a MetapatchError naming the reader and the tensor. Reads the source does not spell
+as ``self.<chain>`` (``getattr``, a module passed to a helper) are not found: they fail as before.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import functools
+import inspect
+import sys
+import textwrap
+from typing import Any, Dict, List, Optional, Tuple
+
+from metapatch._offloaded_weights import materialised, offload_hooks
+from metapatch._records import MetapatchError
+
+_DEPTH = 3
+_ATTR = "_metapatch_outside_reads"
+_METADATA = frozenset({"dtype", "shape", "ndim", "size", "dim", "numel", "is_floating_point", "requires_grad",
+                       "is_complex", "element_size", "nelement"})
+
+
+class OffloadedReadError(MetapatchError, RuntimeError):
+    """A module's forward reads another module's tensor that is on meta and that nothing can load."""
+
+
+@functools.lru_cache(maxsize=None)
+def _chains(function: Any) -> Tuple[Tuple[Tuple[str, ...], bool], ...]:
+    """Every maximal ``self.a.b...`` chain in ``function``'s source, with whether it is called."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    except (OSError, TypeError, SyntaxError, IndentationError):
+        return ()
+    definition = tree.body[0] if tree.body else None
+    if not isinstance(definition, (ast.FunctionDef, ast.AsyncFunctionDef)) or not definition.args.args:
+        return ()
+    self_name = definition.args.args[0].arg
+    called = {id(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)}
+    inner = {id(node.value) for node in ast.walk(tree)
+             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)}
+    found = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or id(node) in inner:
+            continue
+        chain, current = [], node
+        while isinstance(current, ast.Attribute):
+            chain.append(current.attr)
+            current = current.value
+        if isinstance(current, ast.Name) and current.id == self_name:
+            found.add((tuple(reversed(chain)), id(node) in called))
+    return tuple(sorted(found))
+
+
+@functools.lru_cache(maxsize=None)
+def _module_api() -> frozenset:
+    return frozenset(dir(sys.modules["torch.nn"].Module))
+
+
+def _reads(reader: Any, module: Any, method: str, depth: int, seen: set, out: Dict[int, Tuple[Any, List[str]]]) -> None:
+    """Collect into ``out`` (id -> (module, tensor names)) what ``module.<method>`` reads of modules other
+    than ``reader``."""
+    key = (id(module), method)
+    if key in seen or depth > _DEPTH:
+        return
+    seen.add(key)
+    function = inspect.getattr_static(type(module), method, None)
+    if isinstance(function, (staticmethod, classmethod)):
+        function = function.__func__
+    if not callable(function):
+        return
+    torch_module = sys.modules["torch.nn"].Module
+    for chain, called in _chains(function):
+        current = module
+        for position, name in enumerate(chain):
+            if not isinstance(current, torch_module):
+                break
+            if name in current._parameters or name in current._buffers:
+                # .dtype/.shape of the meta placeholder are the real ones: only values and .device need the tensor
+                metadata_only = position + 1 < len(chain) and chain[position + 1] in _METADATA
+                if current is not reader and not metadata_only:
+                    out.setdefault(id(current), (current, []))[1].append(name)
+                break
+            if name in current._modules:
+                current = current._modules[name]
+                continue
+            last = position == len(chain) - 1
+            if called and last and name not in ("forward", "__call__") and name not in _module_api():
+                _reads(reader, current, name, depth + 1, seen, out)
+            break
+
+
+def _covering_hook_owner(module: Any, root: Any, names: Dict[int, str]) -> Optional[Any]:
+    """``module`` when it has its own offload hook, else an ancestor whose hook places submodules."""
+    if offload_hooks(module):
+        return module
+    path = names.get(id(module))
+    while path:
+        path = path.rpartition(".")[0]
+        ancestor = root.get_submodule(path) if path else root
+        if any(getattr(hook, "place_submodules", False) for hook in offload_hooks(ancestor)):
+            return ancestor
+    return None
+
+
+class _Reader:
+    """The hooks of one reading module: the modules it keeps materialised while its forward runs, and
+    the tensors it reads (checked after materialising: still on meta means nothing could load them)."""
+
+    def __init__(self, reader_name: str, owners: List[Any], reads: List[Tuple[str, Any, str]]) -> None:
+        self.reader_name = reader_name
+        self.owners = owners
+        self.reads = reads  # (dotted name, owning module, tensor name)
+        self.stacks: List[contextlib.ExitStack] = []
+        self.handles: List[Any] = []
+
+    def pre(self, module: Any, args: Any) -> None:
+        stack = contextlib.ExitStack()
+        if any(offload_hooks(owner) for owner in self.owners):
+            stack.enter_context(materialised(*self.owners))
+        missing = [dotted for dotted, owner, tensor in self.reads
+                   if getattr(owner._parameters.get(tensor, owner._buffers.get(tensor)), "is_meta", False)]
+        if missing:
+            stack.close()
+            raise OffloadedReadError(
+                f"metapatch: {type(module).__name__} ({self.reader_name or 'the model'}) reads {', '.join(missing)} "
+                f"outside the owning module's forward, and it is on the meta device with no accelerate offload hook "
+                f"holding its value. Put that module on an execution device in device_map, or load the model without "
+                f"offloading it.")
+        self.stacks.append(stack)
+
+    def post(self, module: Any, args: Any, output: Any) -> None:
+        if self.stacks:
+            self.stacks.pop().close()
+
+
+def install(model: Any) -> List[str]:
+    """Give every module of ``model`` whose forward reads an offloaded module's tensors the hooks that
+    serve those reads; returns the readers' names. Idempotent (a re-dispatch replaces earlier hooks)."""
+    names = {id(module): name for name, module in model.named_modules()}
+    readers = []
+    for name, module in model.named_modules():
+        old = module.__dict__.pop(_ATTR, None)
+        if old is not None:
+            for handle in old.handles:
+                handle.remove()
+        out: Dict[int, Tuple[Any, List[str]]] = {}
+        _reads(module, module, "forward", 0, set(), out)
+        owners, reads = [], []
+        for owner, tensors in out.values():
+            meta = sorted({t for t in tensors
+                           if getattr(owner._parameters.get(t, owner._buffers.get(t)), "is_meta", False)})
+            if not meta:
+                continue  # on a device already: the read works without help
+            reads.extend((f"{names.get(id(owner), '?')}.{t}", owner, t) for t in meta)
+            holder = _covering_hook_owner(owner, model, names)
+            if holder is not None and all(holder is not o for o in owners):
+                owners.append(holder)
+        if not reads:
+            continue
+        reader = _Reader(name, owners, reads)
+        reader.handles = [module.register_forward_pre_hook(reader.pre),
+                          module.register_forward_hook(reader.post, always_call=True)]
+        module.__dict__[_ATTR] = reader
+        readers.append(name)
+    return readers

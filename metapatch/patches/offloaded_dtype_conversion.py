@@ -1,0 +1,109 @@
+"""offloaded-dtype-conversion: ``model.to(torch.float16)``, ``model.to(dtype=...)``,
+``model.to(memory_format=...)`` and ``model.to(<its own execution device>, dtype)`` on a model loaded with
+``from_pretrained(device_map=...)`` and offloaded parts convert it, as ``model.half()`` already does;
+upstream they raise accelerate's ``RuntimeError: You can't move a model that has some modules offloaded
+to cpu or disk.`` although nothing would move.
+
+``dispatch_model`` replaces the dispatched model's ``to`` by a guard that refuses any call while a
+parameter is on meta. The conversion itself works on an offloaded model: torch converts the meta
+placeholders, and accelerate's hooks cast each offloaded weight to its placeholder's dtype when they
+load it (``set_module_tensor_to_device``), so the outputs equal those of the in-memory model converted
+first. After transformers' dispatch (``accelerate_dispatch``), this patch puts a ``to`` in front of
+accelerate's guard that lets through calls that move nothing (no device, or the device every tensor and
+every offload hook already uses) as a pure dtype / memory-format conversion, and hands every real device
+move to accelerate's guard, which refuses it as before.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from metapatch._calls import signature_of
+from metapatch._offloaded_weights import offload_hooks
+from metapatch._records import Patch, Target, Upstream
+
+PATCH_ID = "offloaded-dtype-conversion"
+_MARK = "_metapatch_conversion_to"
+
+
+def _normalised(torch: Any, device: Any) -> Any:
+    if isinstance(device, int):
+        device = torch.device("cuda", device)  # accelerate's execution devices: an int is an accelerator index
+    device = torch.device(device)
+    if device.type not in ("cpu", "meta") and device.index is None:
+        backend = getattr(torch, device.type, None)
+        device = torch.device(device.type, backend.current_device() if hasattr(backend, "current_device") else 0)
+    return device
+
+
+def _moves_nothing(model: Any, device: Any) -> bool:
+    """Whether every tensor in memory and every offload hook's execution device is ``device`` already."""
+    torch = sys.modules["torch"]
+    device = _normalised(torch, device)
+    for module in model.modules():
+        for hook in offload_hooks(module):
+            if _normalised(torch, hook.execution_device) != device:
+                return False
+    return all(_normalised(torch, t.device) == device for t in (*model.parameters(), *model.buffers()) if not t.is_meta)
+
+
+def conversion_to(model: Any, guard: Any) -> Any:
+    """A ``to`` for ``model`` that converts without moving, and leaves moves to accelerate's ``guard``."""
+    original = guard.__wrapped__
+
+    def to(*args: Any, **kwargs: Any) -> Any:
+        torch = sys.modules["torch"]
+        try:
+            device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        except Exception:
+            return guard(*args, **kwargs)  # bad arguments: accelerate/torch raise their own error
+        if device is not None and not _moves_nothing(model, device):
+            return guard(*args, **kwargs)  # a real move: refused as upstream
+        convert = {}
+        if dtype is not None:
+            convert["dtype"] = dtype
+        if memory_format is not None:
+            convert["memory_format"] = memory_format
+        return original(**convert) if convert else model
+
+    to.__wrapped__ = guard
+    setattr(to, _MARK, True)
+    return to
+
+
+def install_on(model: Any) -> None:
+    guard = model.__dict__.get("to") if model is not None else None
+    if guard is None or getattr(guard, _MARK, False) or getattr(guard, "__wrapped__", None) is None:
+        return  # not dispatched with offload (accelerate added no guard), or already done
+    model.__dict__["to"] = conversion_to(model, guard)
+
+
+def _accelerate_dispatch(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    result = wrapped(*args, **kwargs)
+    install_on(signature_of(wrapped).bind_partial(*args, **kwargs).arguments.get("model"))
+    return result
+
+
+PATCH = Patch(
+    id=PATCH_ID,
+    title="dtype and memory-format conversions of a from_pretrained model with offloaded parts convert it "
+          "(a real device move stays refused)",
+    # accelerate's guard refuses every .to of a model with meta parameters in every release; the patch
+    # sits on transformers' dispatch, which exists as accelerate_dispatch from 5.0.
+    affects={"transformers": ">=5.0", "accelerate": ">=1.0"},
+    targets=(
+        Target("transformers.integrations.accelerate", "accelerate_dispatch",
+               fingerprints=("d829b4ec714812a9",  # transformers 5.0.0 - 5.15.1
+                             "489099a5f1b7ec66"),  # transformers 5.16.0 - 5.24.0
+               wrapper=_accelerate_dispatch, aliases=("transformers.modeling_utils:accelerate_dispatch",)),
+    ),
+    upstream=Upstream(
+        bug=("https://github.com/huggingface/accelerate/issues?q=You+can%27t+move+a+model+that+has+some+modules+offloaded",),
+        forwarded="no",
+        note="accelerate: dispatch_model's guard on model.to refuses only calls that move a tensor; dtype and "
+             "memory-format conversions go through (the hooks cast offloaded weights as they load them)",
+    ),
+    diffs=("upstream_diffs/offloaded-dtype-conversion/accelerate.diff",),
+    selftest="metapatch.selftest.offloaded_conversion",
+)

@@ -1,0 +1,86 @@
+"""Reproducers for offloaded-dtype-conversion: converting a model loaded with offloaded parts.
+
+A tiny random Llama is loaded with a real ``from_pretrained(device_map=..., offload_folder=...)`` that puts
+layers 1 and 3 on disk, then converted with ``model.to(torch.bfloat16)`` (and ``model.to(<execution
+device>, torch.float16)``). Upstream, accelerate's guard on ``model.to`` refuses: ``RuntimeError: You
+can't move a model that has some modules offloaded to cpu or disk.`` although nothing would move. Fixed
+means: logits and greedy ``generate()`` equal the in-memory model converted the same way (torch.equal),
+the offloaded layers are still offloaded, and a real device move is still refused.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict
+
+from . import NotApplicable
+from ._harness import Scenario
+from ._models import input_ids, save_tiny_llama
+
+PATCH_ID = "offloaded-dtype-conversion"
+_MAP = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
+        "model.layers.2": "cpu", "model.layers.3": "disk", "model.norm": "cpu", "lm_head": "cpu"}
+
+
+def _convert_and_compare(workdir: Path, convert: Any) -> Dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import transformers.integrations.accelerate as dispatching
+
+    if not hasattr(dispatching, "accelerate_dispatch"):
+        # 4.x dispatches inside from_pretrained itself: the patch has no place to attach (the bug is there too)
+        raise NotApplicable("needs transformers >= 5.0 (from_pretrained dispatching through accelerate_dispatch)")
+    checkpoint = save_tiny_llama(workdir / "ckpt")
+    reference = convert(AutoModelForCausalLM.from_pretrained(checkpoint).eval())
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, device_map=_MAP,
+                                                 offload_folder=str(workdir / "offload")).eval()
+    converted = convert(model)
+    if converted is not model:
+        raise AssertionError("to() returned another object than the model")
+    if not model.model.layers[1].self_attn.q_proj.weight.is_meta:
+        raise AssertionError("the conversion loaded the offloaded layers into memory")
+    ids = input_ids()
+    kwargs = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    with torch.no_grad():
+        got, expected = model(ids).logits, reference(ids).logits
+        if got.dtype != expected.dtype or not torch.equal(got, expected):
+            raise AssertionError(f"logits {got.dtype} vs {expected.dtype}, max abs diff "
+                                 f"{float((got.float() - expected.float()).abs().max())}")
+        tokens, expected_tokens = model.generate(ids, **kwargs), reference.generate(ids, **kwargs)
+        if not torch.equal(tokens, expected_tokens):
+            raise AssertionError(f"generate() gave {tokens.tolist()}, in memory {expected_tokens.tolist()}")
+    try:
+        model.to("meta")
+    except Exception as exc:  # a device move: still refused (accelerate's or metapatch's error)
+        if "offloaded" not in str(exc):
+            raise AssertionError(f"a device move was refused with an unrelated error: {exc!r}")
+    else:
+        raise AssertionError("a real device move of the offloaded model was not refused")
+    return {"max_abs_diff": 0.0, "dtype": str(got.dtype)}
+
+
+def to_dtype(workdir: Path) -> Dict[str, Any]:
+    """model.to(torch.bfloat16) with layers 1 and 3 on disk."""
+    import torch
+
+    return _convert_and_compare(workdir, lambda m: m.to(torch.bfloat16))
+
+
+def to_own_device_and_dtype(workdir: Path) -> Dict[str, Any]:
+    """model.to("cpu", torch.float16) where cpu is the execution device: nothing moves."""
+    import torch
+
+    return _convert_and_compare(workdir, lambda m: m.to("cpu", torch.float16))
+
+
+SCENARIOS = [
+    Scenario(PATCH_ID, "to-dtype-layers-on-disk", f"{__name__}:to_dtype",
+             "model.to(torch.bfloat16) on a Llama with layers on disk: equal to the in-memory model converted first "
+             "(unpatched: RuntimeError \"You can't move a model that has some modules offloaded\")",
+             expected_error="RuntimeError"),
+    Scenario(PATCH_ID, "to-own-device-and-dtype-layers-on-disk", f"{__name__}:to_own_device_and_dtype",
+             "model.to('cpu', torch.float16) with cpu the execution device and layers on disk: a conversion, "
+             "equal to the in-memory model converted first",
+             expected_error="RuntimeError"),
+]

@@ -1,0 +1,112 @@
+"""Reproducers for offloaded-outside-reads: model code that reads an offloaded module's tensors outside
+that module's own forward.
+
+``ReaderModel`` stands for the model code nobody here has read (a ``trust_remote_code`` model): a real
+``PreTrainedModel`` saved and loaded with ``from_pretrained(device_map=..., offload_folder=...)``, whose
+forward makes every kind of read the mechanism serves: ``input_ids.to(self.embed.weight.device)``,
+``self.embed.weight[pad_token_id]``, ``self.norm.bias`` added outside the norm, and a child's method other
+than ``forward`` (``self.experts.mix(x)``, whose body reads the experts' own weight). With ``embed``,
+``experts`` and ``norm`` on disk, upstream fails (``Cannot copy out of meta tensor``); fixed means logits
+and greedy ``generate()`` equal the in-memory model's (torch.equal).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict
+
+from ._harness import Scenario
+from ._models import input_ids
+
+PATCH_ID = "offloaded-outside-reads"
+_NEW_TOKENS = 4
+_VOCAB = 64
+_DEVICE_MAP = {"embed": "disk", "experts": "disk", "norm": "disk", "head": "cpu"}
+
+
+def reader_classes() -> Any:
+    """(config class, model class), built on first use: torch and transformers are imported here."""
+    import torch
+    from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
+    from transformers.modeling_outputs import CausalLMOutput
+
+    class ReaderConfig(PretrainedConfig):
+        model_type = "metapatch-reader"
+
+        def __init__(self, vocab_size: int = _VOCAB, hidden_size: int = 16, num_experts: int = 3, **kwargs: Any):
+            self.vocab_size, self.hidden_size, self.num_experts = vocab_size, hidden_size, num_experts
+            kwargs.setdefault("pad_token_id", 0)
+            super().__init__(**kwargs)
+
+    class Experts(torch.nn.Module):
+        def __init__(self, config: Any) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(config.num_experts, config.hidden_size, config.hidden_size) * 0.1)
+
+        def mix(self, x: Any) -> Any:  # called by the parent instead of forward: no accelerate hook runs
+            return torch.einsum("bsh,ehk->bsk", x, self.weight) / self.weight.shape[0]
+
+    class ReaderModel(PreTrainedModel, GenerationMixin):
+        config_class = ReaderConfig
+        base_model_prefix = "reader"
+        _no_split_modules: list = []
+
+        def __init__(self, config: Any) -> None:
+            super().__init__(config)
+            self.embed = torch.nn.Embedding(config.vocab_size, config.hidden_size)
+            self.experts = Experts(config)
+            self.norm = torch.nn.LayerNorm(config.hidden_size)
+            self.head = torch.nn.Linear(config.hidden_size, config.vocab_size)
+            self.post_init()
+
+        def _init_weights(self, module: Any) -> None:
+            pass  # the constructors' random values are the weights
+
+        def get_input_embeddings(self) -> Any:
+            return self.embed
+
+        def forward(self, input_ids: Any = None, attention_mask: Any = None, **kwargs: Any) -> Any:
+            input_ids = input_ids.to(self.embed.weight.device)
+            x = self.embed(input_ids) - self.embed.weight[self.config.pad_token_id]
+            x = x + self.experts.mix(x)
+            return CausalLMOutput(logits=self.head(self.norm(x) + self.norm.bias))
+
+        def prepare_inputs_for_generation(self, input_ids: Any, **kwargs: Any) -> Dict[str, Any]:
+            return {"input_ids": input_ids}
+
+    return ReaderConfig, ReaderModel
+
+
+def remote_code_reads(workdir: Path) -> Dict[str, Any]:
+    """ReaderModel with embed, experts and norm on disk: every read outside the owner's forward."""
+    import torch
+
+    config_class, model_class = reader_classes()
+    torch.manual_seed(0)
+    reference = model_class(config_class()).eval()
+    reference.save_pretrained(workdir / "ckpt")
+    loaded = model_class.from_pretrained(workdir / "ckpt", device_map=_DEVICE_MAP,
+                                         offload_folder=str(workdir / "offload")).eval()
+    if not (loaded.embed.weight.is_meta and loaded.experts.weight.is_meta):
+        raise AssertionError("the device map was meant to put embed and experts on disk")
+    ids = input_ids(vocab_size=_VOCAB, length=8)
+    kwargs = dict(max_new_tokens=_NEW_TOKENS, min_new_tokens=_NEW_TOKENS, do_sample=False, pad_token_id=0, use_cache=False)
+    with torch.no_grad():
+        got, expected = loaded(input_ids=ids).logits, reference(input_ids=ids).logits
+        if not torch.equal(got, expected):
+            raise AssertionError(f"logits differ: max abs diff {float((got - expected).abs().max())}")
+        tokens, expected_tokens = loaded.generate(ids, **kwargs), reference.generate(ids, **kwargs)
+        if not torch.equal(tokens, expected_tokens):
+            raise AssertionError(f"generate() gave {tokens.tolist()}, in memory {expected_tokens.tolist()}")
+    if not (loaded.embed.weight.is_meta and loaded.experts.weight.is_meta):
+        raise AssertionError("the offloaded weights stayed loaded after the forward")
+    return {"max_abs_diff": 0.0}
+
+
+SCENARIOS = [
+    Scenario(PATCH_ID, "remote-code-reads-on-disk", f"{__name__}:remote_code_reads",
+             "a remote-code-style model reading embed.weight[pad], embed.weight.device, norm.bias and calling "
+             "experts.mix() from its forward, with those modules on disk: logits and greedy generate() equal the "
+             "in-memory model (unpatched: NotImplementedError 'Cannot copy out of meta tensor')",
+             expected_error="NotImplementedError"),
+]

@@ -1,0 +1,72 @@
+"""``metapatch sweep``: every causal-LM and seq2seq architecture of the installed transformers,
+built tiny, saved, loaded with several offload placements and compared with the in-memory model,
+without and with metapatch. The parent runs no model: each leg of each architecture is its own process (metapatch.sweep.child), results are cached per stack (resumable), and
+docs/sweep.md is rendered from the cache (metapatch.sweep.render)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from importlib import metadata
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+PACKAGE = Path(__file__).resolve().parent
+REPO = PACKAGE.parent.parent
+LEGS = ("unpatched", "patched")
+
+# The CI sample (tests/test_sweep.py): a plain decoder, a Conv1D decoder with learned positions and a
+# tied head, two encoder-decoders (T5; Bart with a top-level buffer, final_logits_bias), a mixture of
+# experts, and a decoder with scaled embeddings and sliding-window layers.
+SAMPLE = ("LlamaForCausalLM", "GPT2LMHeadModel", "T5ForConditionalGeneration", "BartForConditionalGeneration",
+          "MixtralForCausalLM", "Gemma3ForCausalLM")
+
+
+def architectures() -> List[Tuple[str, str]]:
+    """(model class name, model_type) for every causal-LM and seq2seq-LM mapping entry, sorted."""
+    from transformers.models.auto import modeling_auto
+
+    rows: Dict[str, str] = {}
+    for mapping in (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                    modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES):
+        for model_type, names in mapping.items():
+            for name in (names,) if isinstance(names, str) else names:
+                rows.setdefault(name, model_type)
+    return sorted(rows.items(), key=lambda item: item[0].lower())
+
+
+def versions() -> Dict[str, str]:
+    found = {}
+    for dist in ("torch", "transformers", "accelerate"):
+        try:
+            found[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            found[dist] = "absent"
+    return found
+
+
+def stack_name(found: Dict[str, str]) -> str:
+    return "_".join(f"{dist}-{version}" for dist, version in sorted(found.items()))
+
+
+def _digest(paths: List[Path]) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(paths):
+        digest.update(str(path.relative_to(REPO)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def cache_keys() -> Dict[str, str]:
+    """What a cached leg must have been run with: the harness for both legs, and for the patched
+    leg also every module a patch can reach (not the CLI, survey, selftest or report tooling)."""
+    harness = _digest([PACKAGE / name for name in ("child.py", "placements.py", "shrink.py")])
+    skip = {"sweep", "commands", "survey", "selftest", "reports"}
+    patched = [p for p in (REPO / "metapatch").rglob("*.py")
+               if p.relative_to(REPO / "metapatch").parts[0] not in skip]
+    return {"unpatched": harness, "patched": harness + "-" + _digest(patched)}
+
+
+def cache_root() -> Path:
+    root = os.environ.get("METAPATCH_SWEEP_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "metapatch" / "sweep"

@@ -1,0 +1,157 @@
+"""offloaded-outside-reads: three-way proof on a remote-code-style model whose forward reads offloaded
+tensors outside their modules' hooks (subprocesses, real from_pretrained with disk offload), the generic
+mechanism standing in for the hand-written Gemma 4 patch, and in-process checks on real accelerate hooks
+(disk_offload, dispatch_model): nothing hooked where nothing is offloaded, offloaded again after the
+reader (also when it raises), an unservable read named in a MetapatchError."""
+
+from __future__ import annotations
+
+import pytest
+
+import metapatch
+from metapatch.patches.offloaded_outside_reads import PATCH
+from metapatch.selftest import run_scenario, scenarios_for
+from metapatch.selftest._harness import find
+
+from _three_way import assert_equals_reference, assert_upstream_error, upstream_diff_copy
+
+PATCH_ID = PATCH.id
+SCENARIOS = scenarios_for(PATCH_ID)
+AFFECTED, WHY, _, _ = metapatch.registry.gate(PATCH)
+
+
+def test_scenarios_exist():
+    assert {s.name for s in SCENARIOS} == {"remote-code-reads-on-disk"}
+
+
+def test_affected_on_every_supported_accelerate():
+    assert AFFECTED, WHY
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
+def test_unpatched(scenario):
+    outcome = run_scenario(scenario, patched=False)
+    assert outcome.states[PATCH_ID] == "disabled"
+    assert_upstream_error(outcome, scenario, WHY, "Cannot copy out of meta tensor")
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
+def test_patched(scenario):
+    outcome = run_scenario(scenario, patched=True)
+    assert_equals_reference(outcome)
+    assert outcome.states[PATCH_ID] == "applied"
+
+
+@pytest.fixture(scope="module")
+def accelerate_with_diff(tmp_path_factory):
+    return upstream_diff_copy(PATCH_ID, tmp_path_factory)
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
+def test_upstream_diff_alone(scenario, accelerate_with_diff):
+    assert_equals_reference(run_scenario(scenario, patched=False, pythonpath=[accelerate_with_diff]))
+
+
+@pytest.mark.slow  # two Gemma 4 runs, ~20 s
+def test_generic_mechanism_replaces_the_gemma4_patch():
+    """Gemma 4's direct embed_tokens.weight read, with its hand-written patch disabled."""
+    pytest.importorskip("transformers.models.gemma4")
+    scenario = find("gemma4-offloaded-embeddings/conditional-generation-embedding-on-disk")
+    outcome = run_scenario(scenario, patched=True, env={"METAPATCH_DISABLE": "gemma4-offloaded-embeddings"})
+    assert outcome.states["gemma4-offloaded-embeddings"] == "disabled"
+    assert_equals_reference(outcome)
+    both = run_scenario(scenario, patched=True,
+                        env={"METAPATCH_DISABLE": f"gemma4-offloaded-embeddings,{PATCH_ID}"})
+    assert not both.passed and "meta" in (both.error or ""), both.error  # so it was this patch
+
+
+# -- in process, on real accelerate hooks ----------------------------------------------------------
+
+torch = pytest.importorskip("torch")
+accelerate = pytest.importorskip("accelerate")
+
+
+class Experts(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(2, 4, 4))
+
+    def mix(self, x):
+        return torch.einsum("bsh,ehk->bsk", x, self.weight)
+
+
+class Reader(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 4)
+        self.experts = Experts()
+        self.norm = torch.nn.LayerNorm(4)
+
+    def forward(self, ids):
+        ids = ids.to(self.embed.weight.device)
+        x = self.embed(ids) - self.embed.weight[0]
+        x = x.to(self.norm.weight.dtype)  # metadata only: needs no loading
+        return self.norm(x + self.experts.mix(x))
+
+
+def _model():
+    torch.manual_seed(0)
+    model = Reader().eval()
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        expected = model(ids)
+    return model, ids, expected
+
+
+def test_disk_offload_reads_served_and_offloaded_again(tmp_path):
+    model, ids, expected = _model()
+    accelerate.disk_offload(model, str(tmp_path / "offload"), execution_device="cpu")
+    reader = model.__dict__["_metapatch_outside_reads"]
+    assert reader.owners == [model.embed, model.experts]  # not norm: only its dtype is read
+    with torch.no_grad():
+        assert torch.equal(model(ids), expected)
+    assert model.embed.weight.is_meta and model.experts.weight.is_meta
+    assert model.embed._hf_hook.offload and model.experts._hf_hook.offload
+
+
+def test_offloaded_again_when_the_reader_raises(tmp_path):
+    model, _, _ = _model()
+    accelerate.disk_offload(model, str(tmp_path / "offload"), execution_device="cpu")
+    with pytest.raises(IndexError):
+        with torch.no_grad():
+            model(torch.tensor([[99]]))  # out of the embedding's range, after the reads were served
+    assert model.embed.weight.is_meta and model.embed._hf_hook.offload
+
+
+def test_nothing_hooked_where_nothing_is_offloaded():
+    model, ids, expected = _model()
+    accelerate.dispatch_model(model, device_map={"": "cpu"})
+    assert not any("_metapatch_outside_reads" in m.__dict__ for m in model.modules())
+    assert not any(m._forward_pre_hooks for m in model.modules())
+    with torch.no_grad():
+        assert torch.equal(model(ids), expected)
+
+
+def test_a_read_nothing_can_serve_is_a_metapatch_error(tmp_path):
+    from accelerate.hooks import remove_hook_from_module
+
+    model, ids, _ = _model()
+    accelerate.disk_offload(model, str(tmp_path / "offload"), execution_device="cpu")
+    remove_hook_from_module(model.embed)  # detaching loads the weight back...
+    model.embed.to("meta")  # ...so put it on meta with nothing left to load it
+    with pytest.raises(metapatch.MetapatchError, match=r"Reader \(the model\) reads embed\.weight"):
+        with torch.no_grad():
+            model(ids)
+    assert model.experts.weight.is_meta  # what was loaded before the error is offloaded again
+
+
+def test_redispatch_replaces_the_hooks(tmp_path):
+    model, ids, expected = _model()
+    accelerate.disk_offload(model, str(tmp_path / "a"), execution_device="cpu")
+    from accelerate.hooks import remove_hook_from_submodules
+
+    remove_hook_from_submodules(model)
+    accelerate.disk_offload(model, str(tmp_path / "a"), execution_device="cpu")
+    assert len(model._forward_pre_hooks) == 1
+    with torch.no_grad():
+        assert torch.equal(model(ids), expected)

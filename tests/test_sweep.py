@@ -1,0 +1,95 @@
+"""metapatch sweep: the CI sample (metapatch.sweep.SAMPLE, 6 architectures x 4 placements, both legs, ~45 s
+with two jobs), plus the pure parts (placements of real module trees, the counts of the table)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from metapatch import sweep
+from metapatch.sweep import render
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else "absent"
+
+
+def test_sample_sweep(tmp_path):
+    docs = REPO / "docs" / "sweep.md"
+    before = _digest(docs)
+    env = dict(os.environ, METAPATCH_SWEEP_CACHE=str(tmp_path / "cache"), PYTHONPATH=str(REPO))
+    env.pop("METAPATCH_DISABLE", None)
+    command = [sys.executable, "-m", "metapatch", "sweep", "--sample", "--no-write", "--jobs", "2"]
+    run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    (stack_dir,) = (tmp_path / "cache").iterdir()
+    results = {}
+    for arch in sweep.SAMPLE:
+        for leg in sweep.LEGS:
+            results[(arch, leg)] = json.loads((stack_dir / f"{arch}.{leg}.json").read_text())
+    archs = [(a, "") for a in sweep.SAMPLE]
+    summary = render.summarize(archs, results)
+    assert not summary["broken"], summary["broken"]  # every sample architecture builds and runs in memory
+    counts = summary["counts"]
+    assert counts["regressions"] == 0 and counts.get("wrong_patched", 0) == 0, counts
+    assert counts["ok_patched"] == counts["cells"], [
+        (a, name, row) for (a, leg), r in results.items() if leg == "patched"
+        for name, row in r["placements"].items() if row["status"] not in ("ok", "n/a")]
+    assert counts["ok_upstream"] < counts["cells"]  # the sample does meet the bugs upstream
+    assert render.counts_line(summary) in run.stdout
+    for (arch, leg), result in results.items():  # the same model in both legs
+        assert result["reference_sha"] == results[(arch, "unpatched")]["reference_sha"], arch
+    assert _digest(docs) == before and sorted(p.name for p in tmp_path.iterdir()) == ["cache"]
+    again = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert f"{2 * len(sweep.SAMPLE)} cached, 0 to run" in again.stderr, again.stderr
+
+
+def _leg(placements, **extra):
+    return {"placements": {name: {"status": status} for name, status in placements.items()}, "wall_s": 1.0, **extra}
+
+
+def test_counts_of_the_table():
+    names = render.PLACEMENTS
+    results = {
+        ("A", "unpatched"): _leg(dict(zip(names, ["error", "ok", "ok", "n/a"]))),
+        ("A", "patched"): _leg(dict(zip(names, ["ok", "ok", "wrong", "n/a"]))),
+        ("B", "unpatched"): _leg({}, build={"type": "ValueError", "message": "bad config", "where": "x.py:1"}),
+        ("B", "patched"): _leg({}, build={"type": "ValueError", "message": "bad config", "where": "x.py:1"}),
+        ("C", "unpatched"): None, ("C", "patched"): None,
+    }
+    results[("A", "patched")]["placements"][names[0]]["metapatch"] = False
+    summary = render.summarize([("A", ""), ("B", ""), ("C", "")], results)
+    assert summary["runnable"] == ["A"] and summary["missing"] == ["C"]
+    assert summary["broken"] == [("B", "build: ValueError: bad config (x.py:1)")]
+    c = summary["counts"]
+    assert (c["cells"], c["n/a"], c["ok_upstream"], c["ok_patched"]) == (3, 1, 2, 2)
+    assert c["regressions"] == 1 and c["wrong_patched"] == 1
+    assert render.counts_line(summary).startswith("1 architectures x 4 placements (3 applicable cells): 2 work upstream, 2")
+    text = render.markdown([("A", ""), ("B", ""), ("C", "")], results, {"transformers": "x"}, "metapatch sweep", 2.0)
+    assert "| A | fail / ok | ok / ok | **ok / WRONG** | n/a / n/a | 2 |" in text  # bold: not ok with metapatch
+
+
+def test_placements_of_real_module_trees():
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from metapatch.sweep import placements, shrink
+
+    with torch.device("meta"):
+        t5 = transformers.T5ForConditionalGeneration(shrink.tiny_config(transformers.T5Config))
+    top, layer_lists = placements.units(t5)
+    assert [len(x) for x in layer_lists] == [2, 2] and layer_lists[0][0] == "encoder.block.0"
+    assert top[0] == "shared" and "lm_head" in top
+    first = placements.device_map("first-on-disk", top, layer_lists, "cpu")
+    assert first["shared"] == "disk" and list(first.values()).count("disk") == 1
+    alternate = placements.device_map("alternate-layers-on-disk", top, layer_lists, "cpu")
+    assert [k for k, v in alternate.items() if v == "disk"] == ["encoder.block.1", "decoder.block.1"]
+    covered = set(first)
+    assert all(any(n == k or n.startswith(k + ".") for k in covered) for n, _ in t5.named_parameters())
