@@ -18,6 +18,16 @@ repacked copy (built once per weight tensor, kept while that tensor lives, so an
 holds its 4-bit weight twice on such CPUs; an offloaded layer's copy goes with the reloaded
 weight). Outputs are the ones the repacked kernel gives; training forwards and serialization see
 the portable weight, untouched. Shapes the repack cannot take run the portable kernel.
+
+An accelerate-offloaded layer gets a new parameter at every forward, so it would be repacked at
+every forward (a third of a dispatched 4-bit forward on such a CPU). Its copy is kept per offload
+source instead (the hook's weights-map entry and bnb-quant-state-offload's host state): for a
+weight on disk the repacked weight is written once to ``<offload folder>/<name>.metapatch-cpu-
+packed.dat`` and memory-mapped (the layer keeps only the repacked absmax in RAM); for cpu offload
+it stays in RAM next to the offloaded weight.
+
+The copy is swapped into the parameter for the duration of the call: two threads running the same
+layer at once are not supported (as with upstream's own in-place repack).
 """
 
 from __future__ import annotations
@@ -128,10 +138,13 @@ def _offloaded_packed_copy(module: Any, hook: Any, weight: Any, state: Any) -> A
         import numpy as np
 
         path = os.path.join(folder, f"{key}.metapatch-cpu-packed.dat")
-        array = np.memmap(path, dtype=np.uint8, mode="w+", shape=tuple(packed.shape))
-        array[...] = packed.numpy()
-        array.flush()
-        packed = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="r+", shape=tuple(packed.shape)))
+        try:
+            array = np.memmap(path, dtype=np.uint8, mode="w+", shape=tuple(packed.shape))
+            array[...] = packed.numpy()
+            array.flush()
+            packed = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="r+", shape=tuple(packed.shape)))
+        except OSError:  # a read-only or full offload folder: repack at every forward, as upstream does
+            return packed, packed_state
     module.__dict__[OFFLOAD_CACHE] = (identity, packed, packed_state, entry, host)
     return packed, packed_state
 
@@ -199,9 +212,10 @@ PATCH = Patch(
     upstream=Upstream(
         bug=("https://github.com/bitsandbytes-foundation/bitsandbytes/blob/main/bitsandbytes/nn/modules.py",),
         forwarded="no",
-        note="No upstream issue found filed; bitsandbytes 0.50.2 and main are affected. The diff keeps the "
-             "repacked copy on the Params4bit (freed with it), where this patch keeps it in a table keyed "
-             "by the parameter's identity.",
+        note="No upstream issue found filed; bitsandbytes 0.50.2 and main are affected. The diff passes the "
+             "repacked copy to matmul_4bit where this patch swaps it into the parameter for the call, and it "
+             "has no per-offload-source cache (accelerate rebuilds an offloaded parameter at every forward, "
+             "so with the diff alone an offloaded layer is repacked at every forward, as upstream does today).",
     ),
     diffs=("upstream_diffs/bnb-cpu-repack-copy/bitsandbytes.diff",),
     selftest="metapatch.selftest.bnb_cpu_repack",

@@ -143,7 +143,11 @@ def save_after_forward(workdir: Path) -> Dict[str, Any]:
     base = base_checkpoint(workdir)
     ids = input_ids()
     files = 0
+    from .bnb_offload import quantizes_on
+
     for quant_type, double_quant in (("nf4", True), ("fp4", False)):
+        if not quantizes_on("cpu", quant_type):  # bitsandbytes 0.46.x: nf4 only on the CPU
+            continue
         quantized = workdir / f"q-{quant_type}-{double_quant}"
         _save(load_quantized(base, quant_config(quant_type, double_quant)), quantized)
         loaded = _safetensors_digest(quantized)
@@ -393,5 +397,5 @@ SCENARIOS = [
     Scenario(PATCH_ID, "dispatched-models", f"{_HERE}:dispatched_models",
              "a tiny Llama (quant_storage=bfloat16) and Gemma 4 (nf4 double quant) dispatched with disk "
              "layers, and PeftModel.from_pretrained over them: equal to in memory, state dict byte-equal",
-             expected_error="RuntimeError"),
+             expected_error="RuntimeError", in_selftest=False),
 ]

@@ -146,7 +146,7 @@ def test_patched(runs, name):
         # an offloaded layer is repacked once per load of its source, not at every forward
         assert metrics["repacks_at_second_forward"] == 0, metrics
     if name == "save-after-forward":
-        assert metrics["files_compared"] >= 2
+        assert metrics["files_compared"] >= 1  # 2 where bitsandbytes quantizes fp4 on the CPU (>= 0.47)
     if name == "dispatched-models":
         assert metrics["llama_bfloat16_storage"] == 1
         # Gemma 4 needs transformers >= 5.5: said in the result where it is missing

@@ -353,12 +353,26 @@ def test_cpu_repacking_stays_consistent_across_offload_cycles_in_process():
     offloaded = layer.weight.data  # what accelerate keeps, taken at dispatch
     layer.weight = layer.weight.to("meta")
     layer.support_avx512bf16_for_cpu = True
+    # bnb-cpu-repack-copy (where applied) repacks into a separate copy: the live state stays portable
+    in_place = {r["id"]: r["state"] for r in metapatch.status()}["bnb-cpu-repack-copy"] != "applied"
+    functional, original = bnb.functional, bnb.functional._convert_weight_packed_for_cpu
+    repacks = []
+
+    def counted(*args, **kwargs):
+        repacks.append(1)
+        return original(*args, **kwargs)
+
     outputs = []
     for _ in range(3):
         layer.weight = bnb.nn.Params4bit(offloaded, **layer.weight.__dict__).to("cpu")  # pre_forward
-        with torch.no_grad():
-            outputs.append(layer(x))
-        assert getattr(layer.weight.quant_state, "packing_format_for_cpu", False)  # the repack did run
+        functional._convert_weight_packed_for_cpu = bnb.nn.modules._convert_weight_packed_for_cpu = counted
+        try:
+            with torch.no_grad():
+                outputs.append(layer(x))
+        finally:
+            functional._convert_weight_packed_for_cpu = bnb.nn.modules._convert_weight_packed_for_cpu = original
+        assert repacks  # the repack did run
+        assert getattr(layer.weight.quant_state, "packing_format_for_cpu", False) == in_place
         layer.weight = layer.weight.to("meta")  # post_forward
         assert not getattr(layer.weight.quant_state, "packing_format_for_cpu", False)
         state = layer.state_dict()

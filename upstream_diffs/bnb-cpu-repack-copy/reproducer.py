@@ -6,7 +6,10 @@ kernel (bitsandbytes::gemv_4bit) has no autograd kernel, so the input of a later
 gets no gradient (QLoRA adapters below the layer: grad None), and _save_to_state_dict converts the
 repacked state back lossily (absmax through bfloat16).
 
-Fails with: AssertionError (on a CPU with AVX512-BF16; elsewhere nothing is repacked and it passes)
+The repack runs where bitsandbytes detects AVX512-BF16; it is forced here so that the reproducer shows
+the bug on any CPU (the forced flag is what Linear4bit sets from has_avx512bf16()).
+
+Fails with: AssertionError
 """
 import copy
 
@@ -17,6 +20,7 @@ from bitsandbytes.functional import has_avx512bf16
 print("CPU repack path:", bool(has_avx512bf16()))
 torch.manual_seed(0)
 layer = bnb.nn.Linear4bit(64, 64, bias=False, compress_statistics=True, quant_type="nf4").to("cpu")
+layer.support_avx512bf16_for_cpu = True
 fresh = copy.deepcopy(layer)
 loaded = {k: v.clone() for k, v in layer.state_dict().items()}
 x = torch.randn(2, 64)

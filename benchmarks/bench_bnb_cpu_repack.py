@@ -1,0 +1,135 @@
+"""Benchmark for bnb-cpu-repack-copy (not part of the test suite): the CPU repack cost of 4-bit layers.
+
+On a CPU with AVX512-BF16, bitsandbytes repacks a 4-bit weight for its fused kernel. Measured in
+one run, interleaved (one forward of each per round; ratios of medians over the rounds):
+* forward time of the dispatched 4-bit model (decoder layers 1 and 2 on disk, CPU main device)
+  against the same model in memory (goal: <= 1.5, the disk read included);
+* where that time goes in the dispatched forward: repacks (count and time) and accelerate's disk
+  reads of offloaded weights;
+* memory: bytes the repacked copies hold in RAM (in memory: one per 4-bit layer; offloaded: the
+  repacked absmax, the weight itself memory-mapped in the offload folder) and on disk.
+
+Run it once as shipped and once with ``METAPATCH_DISABLE=bnb-cpu-repack-copy`` (upstream's in-place
+repack: every offloaded layer is repacked at every forward).
+
+    python benchmarks/bench_bnb_cpu_repack.py [--hidden 512] [--repeats 9]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, Iterator
+
+import metapatch  # noqa: F401 - the patches under test
+from metapatch.selftest import bnb_offload as scenario
+from metapatch.selftest._models import input_ids, save_tiny_llama
+
+
+@contextlib.contextmanager
+def profiled() -> Iterator[Dict[str, float]]:
+    """Seconds and calls of bitsandbytes' CPU repack and of accelerate's offloaded-weight reads."""
+    import accelerate.utils.offload as offload
+    import bitsandbytes.functional as F
+    import bitsandbytes.nn.modules as M
+
+    totals = {"repack_s": 0.0, "repacks": 0, "disk_read_s": 0.0, "disk_reads": 0}
+    originals = (F._convert_weight_packed_for_cpu, offload.load_offloaded_weight)
+
+    def timed(function: Any, seconds: str, calls: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                totals[seconds] += time.perf_counter() - start
+                totals[calls] += 1
+        return call
+
+    F._convert_weight_packed_for_cpu = M._convert_weight_packed_for_cpu = timed(originals[0], "repack_s", "repacks")
+    offload.load_offloaded_weight = timed(originals[1], "disk_read_s", "disk_reads")
+    try:
+        yield totals
+    finally:
+        F._convert_weight_packed_for_cpu = M._convert_weight_packed_for_cpu = originals[0]
+        offload.load_offloaded_weight = originals[1]
+
+
+def forward_seconds(model: Any, ids: Any) -> float:
+    import torch
+
+    with torch.no_grad():
+        start = time.perf_counter()
+        model(ids)
+        return time.perf_counter() - start
+
+
+def repack_memory(models: Dict[str, Any], work: Path) -> Dict[str, int]:
+    """Bytes of the patch's repacked copies: of the layers in memory (weight and absmax, in RAM), of
+    the offloaded layers in RAM (cpu offload: the weight too; disk: the absmax only) and the
+    memory-mapped files in the offload folders."""
+    from metapatch.patches import bnb_cpu_repack_copy as patch
+
+    files = {p.name: p.stat().st_size for p in work.rglob("*.metapatch-cpu-packed.dat")}
+    in_memory = sum(packed.nbytes + state.absmax.nbytes for _, packed, state, _ in patch._PACKED.values())
+    offloaded_ram = 0
+    for model in models.values():
+        for module in model.modules():
+            cached = module.__dict__.get(patch.OFFLOAD_CACHE)
+            if cached is not None:
+                mapped = f"{cached[0][1]}.metapatch-cpu-packed.dat" in files
+                offloaded_ram += cached[2].absmax.nbytes + (0 if mapped else cached[1].nbytes)
+    return {"in_memory_layers_ram": in_memory, "offloaded_layers_ram": offloaded_ram,
+            "offload_folder_files": sum(files.values())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=512, help="hidden size (multiple of 64)")
+    parser.add_argument("--repeats", type=int, default=9, help="interleaved rounds (medians)")
+    parser.add_argument("--tokens", type=int, default=32)
+    args = parser.parse_args()
+
+    import bitsandbytes.functional as F
+
+    import metapatch as mp
+
+    work = Path(tempfile.mkdtemp(prefix="bench-bnb-cpu-repack-"))
+    save_tiny_llama(work / "base", hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+                    num_hidden_layers=scenario.NUM_LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                    vocab_size=1024)
+    ids = input_ids(vocab_size=1024, length=args.tokens)
+    state = next(str(p["state"]) for p in mp.status() if p["id"] == "bnb-cpu-repack-copy")
+    print(f"bnb-cpu-repack-copy: {state}; CPU repack path: {bool(F.has_avx512bf16())}")
+    print(f"model: Llama hidden={args.hidden}, {scenario.NUM_LAYERS} layers, layers "
+          f"{list(scenario.OFFLOADED_LAYERS)} on disk, CPU main, {args.tokens} tokens, {args.repeats} rounds")
+    for quant_type, double_quant in (("nf4", True), ("fp4", False)):
+        config = scenario.quant_config(quant_type, double_quant, "bfloat16")
+        in_memory = scenario.load_quantized(work / "base", config)
+        dispatched = scenario.dispatch(scenario.load_quantized(work / "base", config),
+                                       work / f"{quant_type}-{double_quant}")
+        forward_seconds(in_memory, ids), forward_seconds(dispatched, ids)  # warm-up: first repacks
+        disp, mem = [], []
+        with profiled() as totals:
+            for _ in range(args.repeats):
+                disp.append(forward_seconds(dispatched, ids))
+                with profiled() as ignored:  # the in-memory model's share kept out of the totals
+                    mem.append(forward_seconds(in_memory, ids))
+                totals["repack_s"] -= ignored["repack_s"]
+                totals["repacks"] -= ignored["repacks"]
+        memory = repack_memory({"in_memory": in_memory, "dispatched": dispatched}, work) if state == "applied" else {}
+        n = args.repeats
+        weights = sum(m.weight.data.nbytes for _, m in scenario.offloaded_linears(in_memory))
+        print(f"{quant_type}{' dq' if double_quant else ''}: 4-bit weights of layers 1-2: {weights} bytes; fwd dispatched/in-memory "
+              f"{statistics.median(disp) / statistics.median(mem):.2f} (medians {statistics.median(disp) * 1e3:.1f} / "
+              f"{statistics.median(mem) * 1e3:.1f} ms); per dispatched forward: {totals['repacks'] / n:.1f} repacks "
+              f"{totals['repack_s'] / n * 1e3:.1f} ms, {totals['disk_reads'] / n:.1f} disk reads "
+              f"{totals['disk_read_s'] / n * 1e3:.1f} ms; repacked copies: {memory}")
+
+
+if __name__ == "__main__":
+    main()
