@@ -15,8 +15,10 @@ those modules materialised (metapatch._offloaded_weights.materialised: the accel
 ``pre_forward`` / ``post_forward``) for the duration of the reader's forward, so the reads see the
 real tensors on the execution device and memory is held only while the reader runs. Modules that read
 nothing outside get no hook: no per-op cost. A read whose tensor is on meta with no accelerate hook to
-load it from raises a MetapatchError naming the reader and the tensor. Reads the source does not spell
-as ``self.<chain>`` (``getattr``, a module passed to a helper) are not found: they fail as before.
+load it from raises a MetapatchError naming the reader and the tensor; so does a module whose own forward
+would run on its own unloaded parameters (a map that split a module's parameters across devices:
+accelerate hooks modules, so a parameter key on disk beside a sibling elsewhere is never loaded, and the
+forward computes on the placeholder). Reads the source does not spell as ``self.<chain>`` (``getattr``, a module passed to a helper) are not found: they fail as before.
 """
 
 from __future__ import annotations
@@ -140,15 +142,25 @@ class _Reader:
         if missing:
             stack.close()
             raise OffloadedReadError(
-                f"metapatch: {type(module).__name__} ({self.reader_name or 'the model'}) reads {', '.join(missing)} "
-                f"outside the owning module's forward, and it is on the meta device with no accelerate offload hook "
-                f"holding its value. Put that module on an execution device in device_map, or load the model without "
-                f"offloading it.")
+                f"metapatch: {type(module).__name__} ({self.reader_name or 'the model'}) reads {', '.join(missing)}, "
+                f"which is on the meta device with no accelerate offload hook holding its value (read outside its "
+                f"module's forward, or a device map that split a module's parameters across devices). Put that "
+                f"whole module on one device in device_map, or load the model without offloading it.")
         self.stacks.append(stack)
 
     def post(self, module: Any, args: Any, output: Any) -> None:
         if self.stacks:
             self.stacks.pop().close()
+
+
+def _unloaded_own_tensors(module: Any, model: Any, names: Dict[int, str]) -> List[Tuple[str, Any, str]]:
+    """The module's own parameters left on meta with no offload hook to load them (a map that split a
+    module's parameters across devices: accelerate hooks modules, not parameters)."""
+    meta = [n for n, p in module._parameters.items() if p is not None and p.is_meta]
+    if not meta or _covering_hook_owner(module, model, names) is not None:
+        return []
+    prefix = names.get(id(module), "")
+    return [(f"{prefix}.{n}" if prefix else n, module, n) for n in meta]
 
 
 def install(model: Any) -> List[str]:
@@ -173,6 +185,8 @@ def install(model: Any) -> List[str]:
             holder = _covering_hook_owner(owner, model, names)
             if holder is not None and all(holder is not o for o in owners):
                 owners.append(holder)
+        # A module's own forward meeting its own unloaded weight is the same unservable read.
+        reads.extend(_unloaded_own_tensors(module, model, names))
         if not reads:
             continue
         reader = _Reader(name, owners, reads)

@@ -155,3 +155,29 @@ def test_redispatch_replaces_the_hooks(tmp_path):
     assert len(model._forward_pre_hooks) == 1
     with torch.no_grad():
         assert torch.equal(model(ids), expected)
+
+
+def test_a_tied_head_beside_an_offloaded_embedding_is_right_or_refused(tmp_path):
+    """BertLMHeadModel with its embeddings on disk and its tied, biased head on cpu (the sweep's
+    first-on-disk): the map repair leaves cls.predictions.decoder.weight on meta with no hook (accelerate
+    hooks modules, not parameters), and the Linear used to compute on the placeholder (logits ~1e34).
+    Never a third answer: equal to the in-memory model, or a MetapatchError naming the module."""
+    transformers = pytest.importorskip("transformers")
+    from metapatch.sweep import shrink
+
+    config = shrink.tiny_config(transformers.BertConfig)
+    config.is_decoder = True
+    torch.manual_seed(0)
+    transformers.BertLMHeadModel(config).save_pretrained(tmp_path / "ckpt")
+    reference = transformers.BertLMHeadModel.from_pretrained(tmp_path / "ckpt").eval()
+    device_map = {"bert.embeddings": "disk", "bert.encoder.layer.0": "cpu", "bert.encoder.layer.1": "cpu", "cls": "cpu"}
+    model = transformers.BertLMHeadModel.from_pretrained(tmp_path / "ckpt", device_map=device_map,
+                                                         offload_folder=str(tmp_path / "offload")).eval()
+    ids = torch.randint(4, 200, (1, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        try:
+            got = model(ids.to(model.device)).logits
+        except metapatch.MetapatchError as exc:
+            assert "cls.predictions.decoder" in str(exc)
+            return
+        assert torch.equal(got, reference(ids).logits)
