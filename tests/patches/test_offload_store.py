@@ -20,6 +20,7 @@ Measured without the store (metapatch on, transformers 5.24.0, peft 0.21.2, acce
 from __future__ import annotations
 
 import copy
+import gc
 import hashlib
 import sys
 from pathlib import Path
@@ -282,11 +283,13 @@ class _Calls:
             if event == "call" and frame.f_code.co_filename.startswith(_UPSTREAM):
                 self.calls.append((frame.f_code.co_qualname, frame.f_code.co_filename, frame.f_code.co_firstlineno))
 
+        gc.disable()  # a finaliser run by a collection mid-flow would be a call of its own
         sys.setprofile(profile)
         return self
 
     def __exit__(self, *exc):
         sys.setprofile(None)
+        gc.enable()
 
 
 def _without_peft_patches(function):
