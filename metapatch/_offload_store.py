@@ -198,14 +198,12 @@ class Operation:
         (a loader that materialises them): kept for the hook to serve, placeholders back on meta."""
         from accelerate.utils import set_module_tensor_to_device
 
+        from metapatch import _adapter_offload
+
         adopted = 0
         for module in model.modules():
             hook = offload_hook(module)
-            if hook is None or self.holds(module):
-                continue
-            from metapatch import _adapter_offload
-
-            if _adapter_offload._held(hook):
+            if hook is None or self.holds(module) or _adapter_offload._held(hook):
                 continue
             for name, tensor in hook_tensors(module, hook):
                 if tensor.is_meta:
