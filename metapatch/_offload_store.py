@@ -198,15 +198,16 @@ class Operation:
         (a loader that materialises them): kept for the hook to serve, placeholders back on meta."""
         from accelerate.utils import set_module_tensor_to_device
 
+        from metapatch import _adapter_offload
+
         adopted = 0
         for module in model.modules():
             hook = offload_hook(module)
-            if hook is None or self.holds(module):
+            if hook is None or self.holds(module) or _adapter_offload._held(hook):
                 continue
-            from metapatch import _adapter_offload
-
-            if _adapter_offload._held(hook):
-                continue
+            if not hook.place_submodules and not hook.offload_buffers \
+                    and all(t is None or t.is_meta for t in module._parameters.values()):
+                continue  # the common case, without building the hook's tensor list
             for name, tensor in hook_tensors(module, hook):
                 if tensor.is_meta:
                     continue
@@ -222,14 +223,13 @@ class Operation:
 
     def watch_loads(self, model: Any) -> None:
         """Until the operation ends, an offloaded module of ``model`` is onloaded by it just before a
-        ``load_state_dict`` writes one of its tensors (so the copy lands in a real tensor and is kept)."""
+        ``load_state_dict`` writes one of its tensors (so the copy lands in a real tensor and is kept).
+        One pre-hook on ``model`` itself: it sees the keys meant for everything below it, and looks up
+        only the modules they name (PEFT renames wrapped layers meanwhile; the keys say where they are)."""
+        watcher = _LoadWatcher(self, model)
+        self._watchers.append(watcher)
         self._watched.append(model)
-        for module in model.modules():
-            hook = offload_hook(module)
-            if hook is not None:
-                watcher = _LoadWatcher(self, module, hook)
-                self._watchers.append(watcher)
-                self._handles.append(module._register_load_state_dict_pre_hook(watcher, with_module=True))
+        self._handles.append(model._register_load_state_dict_pre_hook(watcher, with_module=True))
 
     def _stop_watching(self) -> None:
         for handle in self._handles:
@@ -251,24 +251,45 @@ class Operation:
 
 
 class _LoadWatcher:
-    """A ``load_state_dict`` pre-hook of one offloaded module (see :meth:`Operation.watch_loads`);
-    inert on copies of the module and once its operation ended. (Its attribute names are its own:
-    torch's hook wrapper copies the hook's ``__dict__`` onto itself.)"""
+    """The ``load_state_dict`` pre-hook of :meth:`Operation.watch_loads`; inert on a copy of its module
+    and once its operation ended. (Its attribute names are its own: torch's hook wrapper copies the
+    hook's ``__dict__`` onto itself.)"""
 
-    def __init__(self, operation: Operation, owner: Any, hook: Any) -> None:
+    def __init__(self, operation: Operation, owner: Any) -> None:
         self._watching: Optional[Operation] = operation
         self._watched_module = owner
-        self._watched_hook = hook
 
     def __deepcopy__(self, memo: Any) -> "_LoadWatcher":
         return self
 
     def __call__(self, module: Any, state_dict: Any, prefix: str, *args: Any) -> None:
-        operation, hook = self._watching, self._watched_hook
-        if operation is None or module is not self._watched_module or offload_hook(module) is not hook:
+        operation = self._watching
+        if operation is None or module is not self._watched_module:
             return
-        if any(prefix + name in state_dict for name, _ in hook_tensors(module, hook)):
-            operation.onload(module, hook)
+        paths = {key[len(prefix):].rpartition(".")[0] for key in state_dict if key.startswith(prefix)}
+        for path in paths:
+            try:
+                target = module.get_submodule(path) if path else module
+            except AttributeError:
+                continue  # upstream reports the unexpected key
+            hook = offload_hook(target)
+            if hook is not None:
+                operation.onload(target, hook)
+            elif any(t is not None and t.is_meta for t in target._parameters.values()):
+                _onload_owning_block(operation, module, path)
+
+
+def _onload_owning_block(operation: Operation, root: Any, path: str) -> None:
+    """A module offloaded as part of a block (``place_submodules``): the nearest ancestor whose hook
+    holds its tensors is onloaded."""
+    parts = path.split(".")
+    for depth in range(len(parts) - 1, -1, -1):
+        owner = root.get_submodule(".".join(parts[:depth])) if depth else root
+        hook = offload_hook(owner)
+        if hook is not None:
+            if hook.place_submodules:
+                operation.onload(owner, hook)
+            return
 
 
 def _is_watcher(entry: Any) -> bool:
