@@ -89,6 +89,29 @@ class Overlay(Mapping):
         return sum(1 for _ in self)
 
 
+TIED_MARK = "_metapatch_tied_tensors"  # on a module: names of its tensors tied to another module's
+
+
+def mark_tied(model: Any) -> None:
+    """Mark every module whose tensor is tied to another one (declared ties and shared objects), so
+    that a write into it is refused at the end of an operation: once accelerate has dispatched the
+    model, the tied copies are separate tensors served by separate hooks (``tied_params_names`` stays
+    empty for a tie transformers made before dispatch), and keeping one copy's write would leave the
+    other with the old value."""
+    from metapatch._tied_groups import tied_groups
+
+    members: Dict[str, set] = {}
+    for group in tied_groups(model):
+        for name in group:
+            owner, _, local = name.rpartition(".")
+            members.setdefault(owner, set()).add(local)
+    if not members:
+        return
+    for name, module in model.named_modules():
+        if name in members:
+            module.__dict__[TIED_MARK] = frozenset(members[name])
+
+
 def keep(hook: Any, name: str, tensor: Any) -> None:
     """``hook`` serves ``tensor`` (copied to CPU memory) for ``name`` from now on."""
     overlay = hook.weights_map
@@ -173,7 +196,7 @@ class Operation:
         from metapatch import _adapter_offload
 
         held, self.held = self.held, []
-        refused = []
+        refused, tied = [], []
         for module, hook, snapshot in reversed(held):
             if kept:
                 current = dict(hook_tensors(module, hook))
@@ -183,8 +206,21 @@ class Operation:
                     if not _plain(tensor):
                         refused.append((module, name, tensor))
                         continue
+                    if name in (getattr(hook, "tied_params_names", None) or ()) \
+                            or name in module.__dict__.get(TIED_MARK, ()):
+                        # accelerate serves each tied copy from its own hook: keeping the write here would
+                        # leave the partner (a tied head, say) with the old value, silently.
+                        tied.append((module, name))
+                        continue
                     keep(hook, name, tensor)
             _adapter_offload._release(module, hook)
+        if tied:
+            module, name = tied[0]
+            raise MetapatchError(
+                f"metapatch: {self.what} wrote {type(module).__name__}.{name}, a weight tied to another parameter "
+                f"(e.g. an input embedding tied to the output head) in a module accelerate offloads. metapatch "
+                f"cannot keep the tied copies in step, so the offloaded model would silently differ from the "
+                f"in-memory one. Load the model without offloading that module (device_map), or untie it first.")
         if refused:
             module, name, tensor = refused[0]
             raise MetapatchError(

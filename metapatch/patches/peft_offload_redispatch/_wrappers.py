@@ -127,6 +127,7 @@ def inject_adapter(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
     model = args[0] if args else kwargs.get("model")
     if not _may_be_offloaded(model):
         return wrapped(*args, **kwargs)
+    _offload_store.mark_tied(model)  # before any tuner layer wraps a tied module
     tuner_create = instance._create_and_replace
 
     def create_and_replace(*c_args: Any, **c_kwargs: Any) -> Any:
