@@ -37,7 +37,15 @@ TEST_TOOLS = ["safetensors", "pytest>=8", "pytest-xdist", "hypothesis>=6", "para
 # Run in one environment only (latest), to keep CI under its 60 minutes on 2 cores: tests of
 # metapatch's own tooling that do not depend on the stack, and the per-PR reproducers of the peft
 # diff series (every environment pins the same peft).
-ONCE = ["tests/test_pr_checks.py", "tests/test_series_reproducers.py", "tests/test_diffs_run_real.py"]
+#
+# Also once: the sweep's sample and the flow tester (measurement tools whose patches the other files prove
+# per pair), the two-rank FSDP tests (two interpreters per rank; the `mid` gate's selftest runs their
+# scenarios on transformers 5.17 / accelerate 1.14) and the 4-bit CPU-repack tests (bitsandbytes is the same
+# release in every pair; the gates run its scenarios on 0.49.2). Elsewhere the tests marked `slow` (upstream
+# diff legs, long variants) are left to the latest pair as well.
+ONCE = ["tests/test_pr_checks.py", "tests/test_series_reproducers.py", "tests/test_diffs_run_real.py",
+        "tests/test_sweep.py", "tests/test_flows.py", "tests/patches/test_fsdp_loading.py",
+        "tests/patches/test_bnb_cpu_repack.py"]
 # The public-report corpus (about 3.5 min per environment) runs on the seed and latest pairs; the
 # Gemma 4 integration pair (5.7) adds nothing to it that those two do not cover.
 NOT_IN = {"gemma4-int": ["tests/reports"]}
@@ -70,8 +78,9 @@ def tests(session, env):
     # Two workers for two cores; a file's tests stay on one worker, so a test that watches the
     # working directory never sees another test's files.
     skipped = ([] if env == "latest" else ONCE) + NOT_IN.get(env, [])
+    marks = [] if env == "latest" else ["-m", "not slow"]
     session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadfile",
-                *[arg for path in skipped for arg in ("--ignore", path)], *session.posargs)
+                *marks, *[arg for path in skipped for arg in ("--ignore", path)], *session.posargs)
 
 
 # The selftest runs one scenario at a time; two lanes (each its own `metapatch selftest`) keep both

@@ -6,8 +6,9 @@ one run, interleaved (one forward of each per round; ratios of medians over the 
   against the same model in memory (goal: <= 1.5, the disk read included);
 * where that time goes in the dispatched forward: repacks (count and time) and accelerate's disk
   reads of offloaded weights;
-* memory: bytes the repacked copies hold in RAM (in memory: one per 4-bit layer; offloaded: the
-  repacked absmax, the weight itself memory-mapped in the offload folder) and on disk.
+* memory: bytes the repacked copies hold in RAM (in memory: one per 4-bit layer; cpu-offloaded: one
+  per layer; disk-offloaded layers keep none and are repacked at every forward) and on disk (none:
+  metapatch writes nothing into the offload folder).
 
 Run it once as shipped and once with ``METAPATCH_DISABLE=bnb-cpu-repack-copy`` (upstream's in-place
 repack: every offloaded layer is repacked at every forward).

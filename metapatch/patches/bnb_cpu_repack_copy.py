@@ -20,11 +20,11 @@ weight). Outputs are the ones the repacked kernel gives; training forwards and s
 the portable weight, untouched. Shapes the repack cannot take run the portable kernel.
 
 An accelerate-offloaded layer gets a new parameter at every forward, so it would be repacked at
-every forward (a third of a dispatched 4-bit forward on such a CPU). Its copy is kept per offload
-source instead (the hook's weights-map entry and bnb-quant-state-offload's host state): for a
-weight on disk the repacked weight is written once to ``<offload folder>/<name>.metapatch-cpu-
-packed.dat`` and memory-mapped (the layer keeps only the repacked absmax in RAM); for cpu offload
-it stays in RAM next to the offloaded weight.
+every forward (a third of a dispatched 4-bit forward on such a CPU). For cpu offload its copy is
+kept per offload source instead (the hook's weights-map entry and bnb-quant-state-offload's host
+state), in RAM next to the offloaded weight. A weight on disk is still repacked at every forward,
+as upstream does: keeping its copy would need RAM (undoing the offload) or a file written into the
+user's offload folder, and metapatch writes nothing there.
 
 The copy is swapped into the parameter for the duration of the call: two threads running the same
 layer at once are not supported (as with upstream's own in-place repack).
@@ -33,7 +33,6 @@ layer at once are not supported (as with upstream's own in-place repack).
 from __future__ import annotations
 
 import copy
-import os
 import weakref
 from typing import Any, Dict, Tuple
 
@@ -118,9 +117,7 @@ def _offloaded_packed_copy(module: Any, hook: Any, weight: Any, state: Any) -> A
     """The repacked copy of an offloaded weight, made once per load of its offload source rather
     than at every forward (accelerate rebuilds the parameter at each one). Valid while the hook
     reads the same source entry and bnb-quant-state-offload restores the same host state (the
-    format it was offloaded in); on disk the copy is itself offloaded, to a memory-mapped file in
-    the offload folder, so the layer keeps in RAM only the repacked absmax."""
-    import torch
+    format it was offloaded in). Only for cpu offload: on disk, a fresh copy every time."""
     from bitsandbytes.functional import _convert_weight_packed_for_cpu
 
     folder, key, entry = _weight_source(hook)
@@ -135,16 +132,9 @@ def _offloaded_packed_copy(module: Any, hook: Any, weight: Any, state: Any) -> A
     work.__dict__.pop(HOST_ATTR, None)
     packed, packed_state = _convert_weight_packed_for_cpu(weight.data, work)
     if folder is not None:
-        import numpy as np
-
-        path = os.path.join(folder, f"{key}.metapatch-cpu-packed.dat")
-        try:
-            array = np.memmap(path, dtype=np.uint8, mode="w+", shape=tuple(packed.shape))
-            array[...] = packed.numpy()
-            array.flush()
-            packed = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="r+", shape=tuple(packed.shape)))
-        except OSError:  # a read-only or full offload folder: repack at every forward, as upstream does
-            return packed, packed_state
+        # A weight on disk is repacked at every forward, as upstream does: a cached copy would have to
+        # live in RAM (undoing the offload) or in a file metapatch writes into the user's offload folder.
+        return packed, packed_state
     module.__dict__[OFFLOAD_CACHE] = (identity, packed, packed_state, entry, host)
     return packed, packed_state
 

@@ -143,7 +143,7 @@ def test_patched(runs, name):
     assert metrics["cpu_repack"] == _cpu_repacks(runs)
     if name == "offloaded-layer-matrix":
         assert metrics["cases"] == 24 or not AFFECTED, metrics  # 12 combinations x disk/cpu offload
-        # an offloaded layer is repacked once per load of its source, not at every forward
+        # a cpu-offloaded layer is repacked once per load of its source, not at every forward
         assert metrics["repacks_at_second_forward"] == 0, metrics
     if name == "save-after-forward":
         assert metrics["files_compared"] >= 1  # 2 where bitsandbytes quantizes fp4 on the CPU (>= 0.47)
