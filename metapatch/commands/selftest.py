@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 HELP = ("run the shipped reproducers against the installed versions, each in a subprocess without and "
-        "with metapatch, and show whether metapatch fixes them here: by default one scenario per patch (the "
-        "first that applies to the installed versions), two at a time; --all runs every scenario (exit 0 "
+        "with metapatch, and show whether metapatch fixes them here: by default one scenario per patch (its "
+        "scenarios in order until one decides here: its bug and fix shown, or a pass where the install is not affected), two at a time; --all runs every scenario (exit 0 "
         "only when every scenario run passes with metapatch; scenarios that do not apply to the installed "
         "versions are reported n/a and do not change the exit code)")
 
