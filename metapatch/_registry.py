@@ -462,7 +462,8 @@ class Registry:
     # -- unpatch -------------------------------------------------------------------------------
 
     def _lost_sites(self, status: _Status) -> bool:
-        return status.state is State.APPLIED and not all(s.holds_installed() for s in status.sites.values())
+        return status.state is State.APPLIED and not all(
+            s.holds_installed() or _stacked_on(s) for s in status.sites.values())
 
     def _restore(self, status: _Status) -> None:
         replaced = {}
@@ -544,6 +545,21 @@ class Registry:
                 "notes": notes,
             })
         return rows
+
+
+def _stacked_on(site: "_Site") -> bool:
+    """Whether another metapatch patch installed its replacement over this site's (two patches of one
+    target, e.g. for different releases' bugs): calls still reach this patch's wrapper, through the
+    other's. Followed through the markers each installed object carries (patch id, target, original)."""
+    current = vars(site.parent).get(site.attr) if isinstance(site.parent, type) else getattr(site.parent, site.attr, None)
+    for _ in range(8):
+        marker = getattr(current, MARKER, None)
+        if not isinstance(marker, tuple) or len(marker) < 3:
+            return False
+        current = marker[2]
+        if current is site.installed:
+            return True
+    return False
 
 
 def _replaced_after(status: _Status) -> Optional[str]:

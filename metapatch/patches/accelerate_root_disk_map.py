@@ -33,10 +33,12 @@ PATCH = Patch(
     id=PATCH_ID,
     title='a device map with the whole model on disk ({"": "disk"}, as infer_auto_device_map returns it when '
           'nothing fits) dispatches instead of failing on a missing index.json',
-    # accelerate <= 1.14 refuses the map with a clear ValueError ("offload the whole model to the disk. Please
-    # use the `disk_offload` function instead"); 1.15.0 dropped that check and fails on the missing index
-    # (read in each release's wheel; measured: 1.14.0 ValueError, 1.15.0 FileNotFoundError).
-    affects={"accelerate": ">=1.15.0"},
+    # extract_submodules_state_dict drops the root name "" in every release (the bug the diff fixes). Through
+    # dispatch_model it shows on 1.15.0, which dropped the earlier check; accelerate <= 1.14 refuses the map
+    # first with a clear ValueError ("offload the whole model to the disk. Please use the `disk_offload`
+    # function instead"), so the scenario is n/a there (measured: 1.13.0, 1.14.0 ValueError; 1.15.0
+    # FileNotFoundError). Patched everywhere the function has the bug.
+    affects={"accelerate": ">=1.10.0"},
     targets=(
         Target("accelerate.utils.offload", "extract_submodules_state_dict",
                fingerprints=("183a14add7f37f99",),  # accelerate 1.10.0 - 1.15.0

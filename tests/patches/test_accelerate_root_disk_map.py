@@ -21,16 +21,31 @@ def test_scenarios_exist():
     assert {s.name for s in SCENARIOS} == {"inferred-map-all-on-disk"}
 
 
+def _refused_first(outcome) -> bool:
+    """accelerate <= 1.14 refuses {"": "disk"} in dispatch_model before the bug: the scenario says n/a."""
+    from packaging.version import Version
+
+    if outcome.not_applicable is None:
+        return False
+    assert Version(metapatch.registry._version("accelerate")) < Version("1.15"), outcome.not_applicable
+    assert "offload the whole model to the disk" in outcome.not_applicable
+    return True
+
+
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
 def test_unpatched(scenario):
     outcome = run_scenario(scenario, patched=False)
     assert outcome.states[PATCH_ID] == "disabled"
+    if _refused_first(outcome):
+        pytest.skip(f"n/a on this accelerate: {outcome.not_applicable}")
     assert_upstream_error(outcome, scenario, WHY, "index.json")
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
 def test_patched(scenario):
     outcome = run_scenario(scenario, patched=True)
+    if _refused_first(outcome):
+        pytest.skip(f"n/a on this accelerate: {outcome.not_applicable}")
     assert_equals_reference(outcome)
     assert outcome.states[PATCH_ID] == "applied"
 
@@ -42,7 +57,10 @@ def accelerate_with_diff(tmp_path_factory):
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
 def test_upstream_diff_alone(scenario, accelerate_with_diff):
-    assert_equals_reference(run_scenario(scenario, patched=False, pythonpath=[accelerate_with_diff]))
+    outcome = run_scenario(scenario, patched=False, pythonpath=[accelerate_with_diff])
+    if _refused_first(outcome):
+        pytest.skip(f"n/a on this accelerate: {outcome.not_applicable}")
+    assert_equals_reference(outcome)
 
 
 torch = pytest.importorskip("torch")

@@ -6,6 +6,7 @@ weights to the offload folder (the root name "" matches no state-dict key) and f
 Fails with: FileNotFoundError
 Affected: diff
 """
+import sys
 import tempfile
 
 import torch
@@ -20,7 +21,13 @@ with torch.no_grad():
 device_map = infer_auto_device_map(model, max_memory={"cpu": 0})
 assert dict(device_map) == {"": "disk"}, device_map
 with tempfile.TemporaryDirectory() as folder:
-    dispatch_model(model, device_map=device_map, offload_dir=folder)
+    try:
+        dispatch_model(model, device_map=device_map, offload_dir=folder)
+    except ValueError as exc:  # accelerate <= 1.14 refuses this map before reaching the bug
+        if "offload the whole model to the disk" not in str(exc):
+            raise
+        print(f"not applicable: {exc}")
+        sys.exit(77)
     with torch.no_grad():
         got = model(x)
     assert torch.equal(got, expected), (got - expected).abs().max()
