@@ -526,3 +526,18 @@ def test_import_metapatch_imports_no_patch_module():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env=_env(REPO)).stdout.strip()
     assert out == "[]"
+
+
+def test_two_patches_of_one_target_both_report_applied(world):
+    """Two metapatch patches wrapping the same upstream function (each for its own bug, e.g.
+    offloaded-outside-reads and tied-device-map-meta-pointer on accelerate < 1.15): calls go through
+    both, and the one wrapped over is still `applied`, not 'pending-import: re-executed'."""
+    second = PATCHES["p_compute"].replace('id="fake-compute"', 'id="fake-compute-twice"').replace(
+        "_plus_one", "_plus_two").replace("+ 1", "+ 2").replace(',\n                    aliases=("fakelib:compute",)', "")
+    out = world(patches={"p_compute": PATCHES["p_compute"], "p_compute_twice": second})('''
+        reg = Registry(load_patches("fakepatches")); reg.install()
+        import fakelib.core
+        print(json.dumps({"states": states(reg), "compute": fakelib.core.compute(2)}))
+    ''')
+    assert out["states"] == {"fake-compute": "applied", "fake-compute-twice": "applied"}
+    assert out["compute"] == 23  # 2 * 10, + 1, + 2: both wrappers run
