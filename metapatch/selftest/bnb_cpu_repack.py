@@ -257,8 +257,15 @@ def offloaded_layer_matrix(workdir: Path) -> Dict[str, Any]:
     import torch
     from accelerate.utils.modeling import get_state_dict_offloaded_model
 
+    import bitsandbytes.functional
+
+    from . import NotApplicable
     from .bnb_offload import quantizes_on
 
+    if not hasattr(bitsandbytes.functional, "_convert_weight_packed_for_cpu"):
+        # bitsandbytes < 0.49 has no CPU repack, and its CPU kernels take only uint8 storage (in memory
+        # too): the offload bugs of those releases are bnb-quant-state-offload's scenarios.
+        raise NotApplicable("needs bitsandbytes >= 0.49 (CPU weight repacking)")
     repack = cpu_repack()
     failures: List[str] = []
     ran = drifted = repacked_again = 0
