@@ -170,7 +170,7 @@ def test_loading_a_saved_pissa_adapter_keeps_the_residual(offloaded, tmp_path, a
 
 @pytest.mark.parametrize("entry", ["PeftModel.from_pretrained", "model.load_adapter"])
 def test_a_saved_embedding_layer_is_served_for_an_embedding_on_disk(offloaded, tmp_path, entry):
-    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft import LoraConfig, get_peft_model
 
     source = offloaded("llama")
     trained = get_peft_model(source.reference, LoraConfig(r=4, target_modules=["q_proj", "embed_tokens"],
@@ -179,20 +179,14 @@ def test_a_saved_embedding_layer_is_served_for_an_embedding_on_disk(offloaded, t
         trained.base_model.model.model.embed_tokens.base_layer.weight.mul_(-1.5)
     trained.save_pretrained(tmp_path / "adapter", save_embedding_layers=True)
     pair = offloaded("llama", dict(LLAMA_MAP, **{"model.embed_tokens": "disk"}))
-    if entry == "PeftModel.from_pretrained":
-        reference = PeftModel.from_pretrained(pair.reference, tmp_path / "adapter")
-        model = PeftModel.from_pretrained(pair.offloaded, tmp_path / "adapter")
-    else:
-        reference, model = pair.reference, pair.offloaded
-        reference.load_adapter(str(tmp_path / "adapter"))
-        model.load_adapter(str(tmp_path / "adapter"))
+    reference, model = _load_both(pair, tmp_path / "adapter", entry)
     assert not torch.equal(_logits(reference), _logits(source.offloaded))  # the saved embedding matters
     assert_same(reference, model)
 
 
 @pytest.mark.parametrize("entry", ["PeftModel.from_pretrained", "model.load_adapter"])
 def test_modules_to_save_of_a_head_on_disk(offloaded, tmp_path, entry):
-    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft import LoraConfig, get_peft_model
 
     source = offloaded("llama")
     trained = get_peft_model(source.reference, LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"],
@@ -201,13 +195,7 @@ def test_modules_to_save_of_a_head_on_disk(offloaded, tmp_path, entry):
         trained.base_model.model.lm_head.modules_to_save["default"].weight.add_(0.5)
     trained.save_pretrained(tmp_path / "adapter")
     pair = offloaded("llama", dict(LLAMA_MAP, lm_head="disk"))
-    if entry == "PeftModel.from_pretrained":
-        reference = PeftModel.from_pretrained(pair.reference, tmp_path / "adapter")
-        model = PeftModel.from_pretrained(pair.offloaded, tmp_path / "adapter")
-    else:
-        reference, model = pair.reference, pair.offloaded
-        reference.load_adapter(str(tmp_path / "adapter"))
-        model.load_adapter(str(tmp_path / "adapter"))
+    reference, model = _load_both(pair, tmp_path / "adapter", entry)
     assert_same(reference, model)
 
 
@@ -391,3 +379,14 @@ def test_a_model_on_meta_under_init_empty_weights_is_left_to_upstream(low_cpu_me
 
     got, expected = _same_with_and_without(flow)
     assert got == expected
+
+
+def _load_both(pair, adapter, entry):
+    """The saved adapter loaded by ``entry`` over the in-memory and the offloaded base."""
+    from peft import PeftModel
+
+    if entry == "PeftModel.from_pretrained":
+        return PeftModel.from_pretrained(pair.reference, adapter), PeftModel.from_pretrained(pair.offloaded, adapter)
+    pair.reference.load_adapter(str(adapter))
+    pair.offloaded.load_adapter(str(adapter))
+    return pair.reference, pair.offloaded
