@@ -55,7 +55,7 @@ def main() -> None:
 
     import metapatch  # noqa: F401 - installs the patch
     from metapatch import _tied_groups as tg
-    from metapatch.selftest import tied_device_map as sc
+    from metapatch.selftest import _tied as sc
 
     warnings.filterwarnings("ignore")
     logging.getLogger("accelerate").setLevel(logging.ERROR)

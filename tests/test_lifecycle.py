@@ -421,7 +421,7 @@ def test_split_tied_group_warning_once_per_load_at_the_users_line(tmp_path):
         import metapatch
         from transformers import LlamaForCausalLM
         from metapatch.selftest._models import save_tiny_llama
-        from metapatch.selftest.tied_device_map import LLAMA_SPLIT_MAP
+        from metapatch.selftest.tied_device_map_transformers import LLAMA_SPLIT_MAP
         state = {r["id"]: r["state"] for r in metapatch.status()}
         from pathlib import Path
         path = save_tiny_llama(Path(sys.argv[1]) / "ckpt", tie_word_embeddings=True)

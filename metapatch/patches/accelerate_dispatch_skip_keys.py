@@ -71,5 +71,5 @@ PATCH = Patch(
         note="accelerate: dispatch_model's skip_keys defaults to the model's _skip_keys_device_placement",
     ),
     diffs=("upstream_diffs/accelerate-dispatch-skip-keys/accelerate.diff",),
-    selftest="metapatch.selftest.peft_offload",
+    selftest="metapatch.selftest.accelerate_dispatch_skip_keys",
 )

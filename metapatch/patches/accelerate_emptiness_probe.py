@@ -78,5 +78,5 @@ PATCH = Patch(
         note="No upstream issue found filed; accelerate 1.15.0 (latest) is affected.",
     ),
     diffs=("upstream_diffs/accelerate-emptiness-probe/accelerate.diff",),
-    selftest="metapatch.selftest.bnb_offload",
+    selftest="metapatch.selftest.bnb_quant_state_offload",
 )

@@ -52,5 +52,5 @@ PATCH = Patch(
         note="accelerate: extract_submodules_state_dict treats the root name \"\" as every key",
     ),
     diffs=("upstream_diffs/accelerate-root-disk-map/accelerate.diff",),
-    selftest="metapatch.selftest.root_disk_map",
+    selftest="metapatch.selftest.accelerate_root_disk_map",
 )

@@ -221,5 +221,5 @@ PATCH = Patch(
              "map) call model.tie_weights() when the config declares ties that a meta model does not have yet",
     ),
     diffs=("upstream_diffs/accelerate-tie-before-load/accelerate.diff",),
-    selftest="metapatch.selftest.accelerate_tie",
+    selftest="metapatch.selftest.accelerate_tie_before_load",
 )

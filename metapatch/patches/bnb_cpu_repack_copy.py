@@ -208,5 +208,5 @@ PATCH = Patch(
              "so with the diff alone an offloaded layer is repacked at every forward, as upstream does today).",
     ),
     diffs=("upstream_diffs/bnb-cpu-repack-copy/bitsandbytes.diff",),
-    selftest="metapatch.selftest.bnb_cpu_repack",
+    selftest="metapatch.selftest.bnb_cpu_repack_copy",
 )

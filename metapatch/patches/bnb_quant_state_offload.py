@@ -180,5 +180,5 @@ PATCH = Patch(
              "_follow_live_dtype (only bitsandbytes 0.49.x's matmul_4bit rewrites quant_state.dtype).",
     ),
     diffs=("upstream_diffs/bnb-quant-state-offload/bitsandbytes.diff",),
-    selftest="metapatch.selftest.bnb_offload",
+    selftest="metapatch.selftest.bnb_quant_state_offload",
 )

@@ -76,5 +76,5 @@ PATCH = Patch(
              "the issue number is the one a user report cites, not checked against the tracker.",
     ),
     diffs=("upstream_diffs/gguf-lazy-eager-mix/gguf.diff",),
-    selftest="metapatch.selftest.gguf_lazy",
+    selftest="metapatch.selftest.gguf_lazy_eager_mix",
 )

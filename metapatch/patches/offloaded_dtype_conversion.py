@@ -105,5 +105,5 @@ PATCH = Patch(
              "memory-format conversions go through (the hooks cast offloaded weights as they load them)",
     ),
     diffs=("upstream_diffs/offloaded-dtype-conversion/accelerate.diff",),
-    selftest="metapatch.selftest.offloaded_conversion",
+    selftest="metapatch.selftest.offloaded_dtype_conversion",
 )

@@ -95,5 +95,5 @@ PATCH = Patch(
              "execution device when the parameter is a meta placeholder",
     ),
     diffs=("upstream_diffs/offloaded-model-device/transformers.diff",),
-    selftest="metapatch.selftest.offloaded_device",
+    selftest="metapatch.selftest.offloaded_model_device",
 )

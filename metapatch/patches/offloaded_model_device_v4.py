@@ -29,5 +29,5 @@ PATCH = Patch(
              "upstream_diffs/offloaded-model-device/transformers.diff.",
     ),
     diffs=(),
-    selftest="metapatch.selftest.offloaded_device",
+    selftest="metapatch.selftest.offloaded_model_device_v4",
 )

@@ -337,5 +337,5 @@ PATCH = Patch(
              "Module.to(model), .cpu(), PeftModel.to, other accelerators) gets a clear error",
     ),
     diffs=("upstream_diffs/offloaded-move-guard/accelerate.diff",),
-    selftest="metapatch.selftest.offloaded_move",
+    selftest="metapatch.selftest.offloaded_move_guard",
 )

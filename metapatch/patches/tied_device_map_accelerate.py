@@ -95,5 +95,5 @@ PATCH = Patch(
              "get_module_size_with_ties once a tied member is placed before its source.",
     ),
     diffs=("upstream_diffs/tied-device-map-accelerate/accelerate.diff",),
-    selftest="metapatch.selftest.tied_device_map",
+    selftest="metapatch.selftest.tied_device_map_accelerate",
 )

@@ -52,5 +52,5 @@ PATCH = Patch(
              "5.13.1 fixed).",
     ),
     diffs=(),
-    selftest="metapatch.selftest.tied_device_map",
+    selftest="metapatch.selftest.tied_device_map_disk_index",
 )

@@ -47,5 +47,5 @@ PATCH = Patch(
              "affected on 1.10.1-1.14.0, fixed on 1.15.0.",
     ),
     diffs=(),
-    selftest="metapatch.selftest.tied_device_map",
+    selftest="metapatch.selftest.tied_device_map_meta_pointer",
 )

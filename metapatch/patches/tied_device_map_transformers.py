@@ -237,5 +237,5 @@ PATCH = Patch(
              "stack and explicit maps that split a tied group remain in 5.24.0.",
     ),
     diffs=("upstream_diffs/tied-device-map-transformers/transformers.diff",),
-    selftest="metapatch.selftest.tied_device_map",
+    selftest="metapatch.selftest.tied_device_map_transformers",
 )

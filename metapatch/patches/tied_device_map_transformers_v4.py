@@ -68,5 +68,5 @@ PATCH = Patch(
              "upstream_diffs/tied-device-map-transformers/transformers.diff.",
     ),
     diffs=(),
-    selftest="metapatch.selftest.tied_device_map",
+    selftest="metapatch.selftest.tied_device_map_transformers_v4",
 )

@@ -11,7 +11,7 @@ convention it reports ``max_abs_diff`` against that reference.
 
 from __future__ import annotations
 
-from ._harness import Outcome, Scenario, all_scenarios, run_scenario, scenarios_for
+from ._harness import Expect, Outcome, Scenario, all_scenarios, run_scenario, scenarios_for, unmet
 
 
 class NotApplicable(Exception):
@@ -21,4 +21,4 @@ class NotApplicable(Exception):
     ``metapatch selftest``'s exit code."""
 
 
-__all__ = ["NotApplicable", "Outcome", "Scenario", "all_scenarios", "run_scenario", "scenarios_for"]
+__all__ = ["Expect", "NotApplicable", "Outcome", "Scenario", "all_scenarios", "run_scenario", "scenarios_for", "unmet"]

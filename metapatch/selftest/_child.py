@@ -16,6 +16,7 @@ def main(function: str, workdir: str, result_file: str) -> int:
     result = {"passed": False, "metrics": {}}
     try:
         func = getattr(importlib.import_module(module_name), name)
+        _check_requires()
         result["metrics"] = func(Path(workdir)) or {}
         result["passed"] = True
     except BaseException as exc:  # the outcome is the data: report every kind of failure
@@ -29,6 +30,19 @@ def main(function: str, workdir: str, result_file: str) -> int:
     result["metapatch_status"] = {row["id"]: row["state"] for row in metapatch.status()}
     Path(result_file).write_text(json.dumps(result, default=str))
     return 0
+
+
+def _check_requires() -> None:
+    """The scenario's ``requires`` (passed by the harness): NotApplicable where they are not met."""
+    import os
+
+    from metapatch.selftest import NotApplicable
+    from metapatch.selftest._harness import REQUIRES_ENV, unmet
+
+    requires = json.loads(os.environ.get(REQUIRES_ENV) or "{}")
+    why = unmet(requires)
+    if why:
+        raise NotApplicable(why)
 
 
 def _not_applicable(exc: BaseException) -> bool:

@@ -14,7 +14,19 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+
+@dataclass(frozen=True)
+class Expect:
+    """What a scenario does without metapatch where every distribution in ``when`` is installed inside
+    its range (``{"transformers": ">=5,<5.13.0.dev0"}``; ``{}`` matches any install): it raises
+    ``error`` (a class name, or alternatives ``"RuntimeError|AssertionError"``) whose text matches the
+    regular expression ``message`` (searched; ``""`` checks no text), or, with ``error=""``, it passes."""
+
+    error: str
+    message: str = ""
+    when: Mapping[str, str] = field(default_factory=dict, hash=False)
 
 
 @dataclass(frozen=True)
@@ -24,11 +36,53 @@ class Scenario:
     function: str  # "module:function", called with the working directory
     description: str = ""
     expected_error: str = ""  # the upstream error class name, where the version is affected
+    expected_message: str = ""  # a regular expression its text matches (searched), with expected_error
     in_selftest: bool = True  # False for slow variants that only the test suite runs
+    # {distribution: specifier} the scenario needs (its model class, the release line whose code
+    # it reproduces): elsewhere the harness reports it n/a without calling it. Judged by the
+    # registry's own gate, so pre-releases and local builds count as the patches' ranges do.
+    requires: Mapping[str, str] = field(default_factory=dict, hash=False)
+    # The unpatched run per range, first match wins; where none matches, the scenario fails with
+    # ``expected_error`` (and ``expected_message``) where its patch's gate says affected, else passes.
+    unpatched: Tuple[Expect, ...] = ()
+    tolerance: float = 0.0  # the largest max_abs_diff from the in-memory reference that counts as equal
 
     @property
     def key(self) -> str:
         return f"{self.patch_id}/{self.name}"
+
+    def not_applicable_here(self, versions: Optional[Mapping[str, Optional[str]]] = None) -> str:
+        """Why ``requires`` is not met on this install ('' when it is)."""
+        return unmet(self.requires, versions)
+
+    def expected_unpatched(self, affected: bool, versions: Optional[Mapping[str, Optional[str]]] = None) -> Expect:
+        """The declared :class:`Expect` for this install; ``affected``: the patch's gate."""
+        for expect in self.unpatched:
+            if not unmet(expect.when, versions):
+                return expect
+        return Expect(self.expected_error, self.expected_message) if affected else Expect("")
+
+
+def unmet(requires: Mapping[str, str], versions: Optional[Mapping[str, Optional[str]]] = None) -> str:
+    """'' when every distribution in ``requires`` is installed inside its range, else why not
+    ("needs transformers<5 (installed: 5.24.0)"). The registry's gate decides, on a probe record whose
+    ``affects`` is ``requires`` (no support window): one version comparison for patches and
+    scenarios. ``versions`` overrides installed versions (tests)."""
+    if not requires:
+        return ""
+    from .._records import Patch, Target
+    from .._registry import Registry
+
+    probe = Patch("selftest-requires", "scenario requirements", requires,
+                  (Target("metapatch", "__name__", (), replacement=lambda original: original),))
+    registry = Registry([probe], support_window={})
+    registry._versions.update(versions or {})
+    gate = registry.gate(probe)
+    if gate.affected:
+        return ""
+    wanted = ", ".join(f"{dist}{spec}" for dist, spec in requires.items())
+    installed = ", ".join(f"{dist} {gate.versions.get(dist) or 'missing'}" for dist in requires)
+    return f"needs {wanted} (installed: {installed})"
 
 
 @dataclass
@@ -51,6 +105,9 @@ class Outcome:
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
+
+
+REQUIRES_ENV = "METAPATCH_SCENARIO_REQUIRES"
 
 
 def all_scenarios() -> List[Scenario]:
@@ -90,6 +147,9 @@ def run_scenario(
         scenario = find(scenario)
     child_env = dict(os.environ)
     child_env.pop("METAPATCH_DISABLE", None)
+    child_env.pop(REQUIRES_ENV, None)
+    if scenario.requires:  # judged in the child, where the upstream copy under test is importable
+        child_env[REQUIRES_ENV] = json.dumps(dict(scenario.requires))
     if env:
         child_env.update(env)
     if not patched:

@@ -1,4 +1,5 @@
-"""Reproducers for ``peft-offload-redispatch`` and ``accelerate-dispatch-skip-keys``.
+"""Reproducers for ``peft-offload-redispatch`` (``accelerate-dispatch-skip-keys``' are in
+``accelerate_dispatch_skip_keys.py``, on this module's Gemma 4 builders).
 
 A tiny Llama and a tiny Gemma 4 (``Gemma4ForCausalLM``, text config with ``num_kv_shared_layers >
 0``) are saved as random safetensors checkpoints, loaded with a device map that holds ``cpu`` and
@@ -22,7 +23,6 @@ from typing import Any, Dict, Optional
 from ._harness import Scenario
 
 REDISPATCH = "peft-offload-redispatch"
-SKIP_KEYS = "accelerate-dispatch-skip-keys"
 _MODULE = "metapatch.selftest.peft_offload"
 _NEW_TOKENS = 4
 
@@ -297,25 +297,6 @@ def gemma4(workdir: Path) -> Dict[str, Any]:
     return run_offloaded_peft(workdir, "gemma4")
 
 
-def gemma4_dispatch_model(workdir: Path) -> Dict[str, Any]:
-    """Plain ``accelerate.dispatch_model`` on Gemma 4, no ``skip_keys``: each hooked layer gets a copy
-    of ``shared_kv_states`` and the first KV-shared layer finds nothing to reuse."""
-    import torch
-    from accelerate import dispatch_model
-    from transformers import AutoModelForCausalLM
-
-    from ._models import input_ids
-
-    require_gemma4()
-    checkpoint = save_tiny_gemma4(workdir / "base")
-    reference = _logits_and_tokens(AutoModelForCausalLM.from_pretrained(checkpoint).eval(), input_ids())
-    model = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
-    dispatch_model(model, device_map=offload_map("gemma4"), offload_dir=str(workdir / "offload"))
-    with torch.no_grad():
-        got = _logits_and_tokens(model, input_ids())
-    return {"max_abs_diff": _compare("dispatch_model", got, reference)}
-
-
 def gpu_4bit_cpu_parts(workdir: Path) -> Dict[str, Any]:
     """The seed's layout on one GPU: decoder layers quantized to 4-bit (nf4, double quant) on cuda:0,
     the unquantized parts (embeddings, final norm, head: the vision/audio towers' role) on cpu, then
@@ -375,7 +356,4 @@ SCENARIOS = [
     _scenario(REDISPATCH, "gpu-4bit-cpu-parts", "gpu_4bit_cpu_parts",
               "one GPU: 4-bit decoder on cuda:0, unquantized parts on cpu (the seed's layout), then the adapter",
               "", in_selftest=False),
-    _scenario(SKIP_KEYS, "gemma4-dispatch-model", "gemma4_dispatch_model",
-              "accelerate.dispatch_model(Gemma 4) without skip_keys: every hooked layer writes the shared KV "
-              "into a copy, the first KV-shared layer finds nothing", "KeyError"),
 ]

@@ -13,7 +13,7 @@ import torch
 def peft_over_offloaded_double_quant(workdir: Path) -> Dict[str, Any]:
     """discuss.huggingface.co thread 175522: PEFT over a 4-bit nf4 double-quant model with offloaded
     parts; dispatch asks ``Linear4bit`` for ``state_dict()`` and ``offset.item()`` meets meta."""
-    from metapatch.selftest.bnb_offload import peft_lora_over_offloaded
+    from metapatch.selftest.bnb_quant_state_offload import peft_lora_over_offloaded
 
     return peft_lora_over_offloaded(workdir)
 
@@ -21,14 +21,14 @@ def peft_over_offloaded_double_quant(workdir: Path) -> Dict[str, Any]:
 def params4bit_extra_attributes(workdir: Path) -> Dict[str, Any]:
     """bitsandbytes PR #1900: dispatching a 4-bit model loaded by transformers 5 passes the
     parameter's ``__dict__`` (with ``_is_hf_initialized``) to ``Params4bit.__new__``."""
-    from metapatch.selftest.bnb_offload import dispatch_as_loaded
+    from metapatch.selftest.bnb_params4bit_extra_attributes import dispatch_as_loaded
 
     return dispatch_as_loaded(workdir)
 
 
 def gguf_lazy_bitnet(workdir: Path) -> Dict[str, Any]:
     """llama.cpp#25629: ``convert_hf_to_gguf.py`` on BitNet: an eager shift tensor meets a lazy one."""
-    from metapatch.selftest.gguf_lazy import lazy_unpack_matches_eager
+    from metapatch.selftest.gguf_lazy_eager_mix import lazy_unpack_matches_eager
 
     return lazy_unpack_matches_eager(workdir)
 

@@ -190,7 +190,7 @@ def t5_auto_map_tight_budget(workdir: Path) -> Dict[str, Any]:
 def diffusion_gemma_auto_map(workdir: Path) -> Dict[str, Any]:
     """transformers#46566 (seed report 000): DiffusionGemma with ``device_map="auto"`` under a
     budget: weights left on meta, ``generate`` dies ``Tensor.item() cannot be called on meta``."""
-    from metapatch.selftest.tied_device_map import auto_map_moderate_budget
+    from metapatch.selftest.tied_device_map_transformers import auto_map_moderate_budget
 
     return auto_map_moderate_budget(workdir)
 
@@ -198,6 +198,6 @@ def diffusion_gemma_auto_map(workdir: Path) -> Dict[str, Any]:
 def gemma4_dispatch_skip_keys(workdir: Path) -> Dict[str, Any]:
     """transformers PR #45347: Gemma 4 under accelerate hooks; the hook's copy of the kwargs loses
     ``shared_kv_states`` unless it is in ``skip_keys`` (``KeyError: 22``)."""
-    from metapatch.selftest.peft_offload import gemma4_dispatch_model
+    from metapatch.selftest.accelerate_dispatch_skip_keys import gemma4_dispatch_model
 
     return gemma4_dispatch_model(workdir)

@@ -107,7 +107,7 @@ def lazy_unpack_matches_eager(workdir: Path) -> Dict[str, Any]:
 
 
 SCENARIOS = [
-    Scenario(PATCH_ID, "bitnet-unpack", "metapatch.selftest.gguf_lazy:lazy_unpack_matches_eager",
+    Scenario(PATCH_ID, "bitnet-unpack", f"{__name__}:lazy_unpack_matches_eager",
              "dequant_bitnet-style unpacking of 2-bit weights on a gguf lazy torch tensor (with operators, "
              "as the converter writes it, and with torch functions) equals the eager result bit for bit "
              "(n/a without the gguf package)",

@@ -8,144 +8,22 @@ offload that exists without a GPU; with a GPU the same path runs for layers mapp
 (``cpu_offload_gpu_main``). Outputs must be ``torch.equal`` to the undispatched quantized model.
 """
 
+
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 from . import NotApplicable
+from ._bnb import (OFFLOADED_LAYERS, assert_equal_outputs, base_checkpoint,
+                   counting_quantize_calls, dispatch, load_quantized, logits, offloaded_linears, quant_config)
 from ._harness import Scenario
 
-PATCH_ID = "bnb-quant-state-offload"
-PROBE_PATCH_ID = "accelerate-emptiness-probe"
-EXTRA_ATTRIBUTES_PATCH_ID = "bnb-params4bit-extra-attributes"
-OFFLOADED_LAYERS = (1, 2)
-NUM_LAYERS = 4
+PATCH_ID = "bnb-quant-state-offload"  # accelerate-emptiness-probe's record names these scenarios too
 COMBOS_DOUBLE_QUANT = (("nf4", True, "float32"), ("fp4", True, "bfloat16"),
                        ("nf4", True, "bfloat16"), ("fp4", True, "float32"))
 COMBOS_SINGLE_QUANT = (("nf4", False, "float32"), ("fp4", False, "bfloat16"),
                        ("nf4", False, "bfloat16"), ("fp4", False, "float32"))
-
-
-# ---------------------------------------------------------------------------------------------
-# Building blocks
-
-
-def base_checkpoint(workdir: Path) -> Path:
-    from ._models import save_tiny_llama
-
-    path = workdir / "base"
-    if not (path / "config.json").exists():
-        save_tiny_llama(path, num_hidden_layers=NUM_LAYERS)
-    return path
-
-
-def _require_bitsandbytes() -> None:
-    import importlib.util
-
-    if importlib.util.find_spec("bitsandbytes") is None:  # a PEFT scenario on 4-bit, on a stack without it
-        raise NotApplicable("needs bitsandbytes (not installed)")
-
-
-def quant_config(quant_type: str = "nf4", double_quant: bool = True, compute_dtype: str = "float32") -> Any:
-    import torch
-    from transformers import BitsAndBytesConfig
-
-    # transformers 4.57's BitsAndBytesConfig reads bitsandbytes' version: PackageNotFoundError without it
-    _require_bitsandbytes()
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type,
-                              bnb_4bit_use_double_quant=double_quant,
-                              bnb_4bit_compute_dtype=getattr(torch, compute_dtype))
-
-
-def load_quantized(path: Path, config: Any, device: Any = "cpu") -> Any:
-    """Quantized in memory on ``device`` (reference and dispatched model alike, so both hold the
-    very same packed weights)."""
-    from transformers import AutoModelForCausalLM
-
-    _require_bitsandbytes()
-    try:
-        return AutoModelForCausalLM.from_pretrained(path, quantization_config=config, device_map={"": device}).eval()
-    except ImportError as exc:
-        # transformers 5.x refuses bitsandbytes 0.46.0 for 4-bit ("requires bitsandbytes>=0.46.1"):
-        # a combination that cannot load a 4-bit model at all, not the bug under test.
-        if "quantization requires bitsandbytes" not in str(exc):
-            raise
-        import bitsandbytes
-        import transformers
-
-        raise NotApplicable(f"transformers {transformers.__version__} does not load 4-bit models with "
-                            f"bitsandbytes {bitsandbytes.__version__}: {exc}") from exc
-
-
-def offload_map(offload_to: str, rest: Any = "cpu") -> Dict[str, Any]:
-    device_map: Dict[str, Any] = {"model.embed_tokens": rest, "model.norm": rest, "model.rotary_emb": rest,
-                                  "lm_head": rest}
-    for i in range(NUM_LAYERS):
-        device_map[f"model.layers.{i}"] = offload_to if i in OFFLOADED_LAYERS else rest
-    return device_map
-
-
-def dispatch(model: Any, workdir: Path, offload_to: str = "disk", main_device: Any = "cpu") -> Any:
-    import accelerate
-
-    rest = main_device
-    return accelerate.dispatch_model(model, device_map=offload_map(offload_to, rest), main_device=main_device,
-                                     offload_dir=str(workdir / "offload"))
-
-
-def offloaded_linears(model: Any) -> List[Tuple[str, Any]]:
-    import bitsandbytes as bnb
-
-    prefixes = tuple(f"model.layers.{i}." for i in OFFLOADED_LAYERS)
-    return [(name, m) for name, m in model.named_modules()
-            if isinstance(m, bnb.nn.Linear4bit) and name.startswith(prefixes)]
-
-
-@contextlib.contextmanager
-def counting_quantize_calls() -> Iterator[Dict[str, int]]:
-    """Counts calls of bitsandbytes' quantizers (a reload must never re-quantize)."""
-    import bitsandbytes.functional as F
-
-    counts = {"quantize_4bit": 0, "quantize_blockwise": 0}
-    originals = {name: getattr(F, name) for name in counts}
-
-    def counted(name: str) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            counts[name] += 1
-            return originals[name](*args, **kwargs)
-        return call
-
-    for name in counts:
-        setattr(F, name, counted(name))
-    try:
-        yield counts
-    finally:
-        for name, original in originals.items():
-            setattr(F, name, original)
-
-
-def logits(model: Any, ids: Any) -> Any:
-    import torch
-
-    with torch.no_grad():
-        return model(ids.to(model.device) if hasattr(model, "device") else ids).logits.cpu()
-
-
-def assert_equal_outputs(reference: Any, candidates: List[Any], what: str) -> float:
-    import torch
-
-    from ._models import max_abs_diff
-
-    worst = 0.0
-    for i, out in enumerate(candidates):
-        diff = max_abs_diff(out, reference)
-        worst = max(worst, diff)
-        if not torch.equal(out, reference):
-            raise AssertionError(f"{what}: forward #{i + 1} differs from the in-memory quantized model "
-                                 f"(max abs diff {diff})")
-    return worst
 
 
 def forward_matches_reference(workdir: Path, quant_type: str, double_quant: bool, compute_dtype: str,
@@ -256,26 +134,6 @@ def cpu_offload_gpu_main(workdir: Path) -> Dict[str, Any]:
         metrics["max_abs_diff"] = max(metrics["max_abs_diff"], result.pop("max_abs_diff"))
         metrics.update(result)
     return metrics
-
-
-def dispatch_as_loaded(workdir: Path) -> Dict[str, Any]:
-    """dispatch_model of a 4-bit model exactly as from_pretrained returned it (no copy: the
-    parameters keep the attributes transformers set on them) with layers on disk. accelerate
-    rebuilds each offloaded weight as Params4bit(meta, **old.__dict__); with transformers 5.x and
-    bitsandbytes < 0.50 that is a TypeError (``_is_hf_initialized``). Single quant, dispatch only:
-    the forward through offloaded 4-bit layers is bnb-quant-state-offload's scenario."""
-    import bitsandbytes as bnb
-
-    model = dispatch(load_quantized(base_checkpoint(workdir), quant_config("nf4", False)), workdir)
-    offloaded = offloaded_linears(model)
-    if not offloaded:
-        raise AssertionError("the device map was meant to offload 4-bit layers to disk; none found")
-    wrong = [name for name, m in offloaded
-             if not (isinstance(m.weight, bnb.nn.Params4bit) and m.weight.is_meta
-                     and m.weight.quant_state is not None and hasattr(m, "_hf_hook"))]
-    if wrong:
-        raise AssertionError(f"offloaded 4-bit layers not left as hooked meta Params4bit with a quant state: {wrong[:5]}")
-    return {"max_abs_diff": 0.0, "offloaded_4bit_layers": len(offloaded)}
 
 
 def _quant_state_keys(state_dict: Dict[str, Any]) -> List[str]:
@@ -402,32 +260,27 @@ def peft_lora_over_offloaded(workdir: Path) -> Dict[str, Any]:
 
 _HERE = __name__
 SCENARIOS = [
-    Scenario(PATCH_ID, "dispatch-double-quant", f"{_HERE}:dispatch_double_quant",
+    Scenario(PATCH_ID, "dispatch-double-quant", f"{__name__}:dispatch_double_quant",
              "dispatch_model of a double-quant 4-bit model with layers on disk: accelerate's "
              "state_dict() emptiness probe hits QuantState.as_dict -> offset.item() on meta",
              expected_error="RuntimeError", in_selftest=False),
-    Scenario(PATCH_ID, "disk-forward-double-quant", f"{_HERE}:disk_forward_double_quant",
+    Scenario(PATCH_ID, "disk-forward-double-quant", f"{__name__}:disk_forward_double_quant",
              "double-quant 4-bit layers offloaded to disk: two forwards equal the in-memory model "
              "(nf4/fp4 x float32/bfloat16 compute), no re-quantization; state_dict() and "
              "save_pretrained of the dispatched model reload identical packed weights and quant states",
              expected_error="RuntimeError"),
-    Scenario(PATCH_ID, "disk-forward-single-quant", f"{_HERE}:disk_forward_single_quant",
+    Scenario(PATCH_ID, "disk-forward-single-quant", f"{__name__}:disk_forward_single_quant",
              "4-bit layers (no double quant) offloaded to disk: the reload finds the quant state on "
              "meta ('Cannot copy out of meta tensor')",
              expected_error="NotImplementedError", in_selftest=False),
-    Scenario(PATCH_ID, "unrecoverable-offset-refused", f"{_HERE}:unrecoverable_offset_refused",
+    Scenario(PATCH_ID, "unrecoverable-offset-refused", f"{__name__}:unrecoverable_offset_refused",
              "a meta double-quant state with no recorded nested_offset is refused by name, never "
              "written with a placeholder",
              expected_error="RuntimeError"),
-    Scenario(PATCH_ID, "peft-lora-over-offloaded", f"{_HERE}:peft_lora_over_offloaded",
+    Scenario(PATCH_ID, "peft-lora-over-offloaded", f"{__name__}:peft_lora_over_offloaded",
              "PeftModel.from_pretrained (LoRA) over a dispatched double-quant model with disk layers",
              expected_error="RuntimeError", in_selftest=False),
-    Scenario(EXTRA_ATTRIBUTES_PATCH_ID, "dispatch-as-loaded", f"{_HERE}:dispatch_as_loaded",
-             "dispatch_model with disk layers of a 4-bit model as from_pretrained returned it: "
-             "Params4bit.__new__ rejects the _is_hf_initialized attribute transformers 5.x sets "
-             "(bitsandbytes < 0.50)",
-             expected_error="TypeError"),
-    Scenario(PATCH_ID, "cpu-offload-gpu-main", f"{_HERE}:cpu_offload_gpu_main",
+    Scenario(PATCH_ID, "cpu-offload-gpu-main", f"{__name__}:cpu_offload_gpu_main",
              "GPU main device, 4-bit layers mapped to 'cpu' (needs CUDA)",
              expected_error="RuntimeError", in_selftest=False),
 ]

@@ -133,14 +133,14 @@ def moves_that_keep_working(workdir: Path) -> Dict[str, Any]:
 
 
 SCENARIOS = [
-    Scenario(PATCH_ID, "move-offloaded-submodule", "metapatch.selftest.offloaded_move:move_offloaded_submodule",
+    Scenario(PATCH_ID, "move-offloaded-submodule", f"{__name__}:move_offloaded_submodule",
              "model.model.to('cpu'), torch.nn.Module.to(model, 'cpu'), model.cpu(), layer.cpu() on a disk-offloaded Llama "
              "give a clear error; the model still matches the in-memory logits",
              expected_error="NotImplementedError"),
-    Scenario(PATCH_ID, "move-offloaded-peft-model", "metapatch.selftest.offloaded_move:move_offloaded_peft_model",
+    Scenario(PATCH_ID, "move-offloaded-peft-model", f"{__name__}:move_offloaded_peft_model",
              "PeftModel.to('cpu') around a disk-offloaded Llama gives a clear error",
              expected_error="NotImplementedError"),
-    Scenario(PATCH_ID, "moves-that-keep-working", "metapatch.selftest.offloaded_move:moves_that_keep_working",
+    Scenario(PATCH_ID, "moves-that-keep-working", f"{__name__}:moves_that_keep_working",
              ".half() of an offloaded model equals an in-memory .half(); a dispatched model with nothing "
              "offloaded moves as before (passes with and without metapatch)",
              # a no-regression guard, not a reproducer: the test suite runs it, `metapatch selftest` only

@@ -15,12 +15,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict
 
-from . import NotApplicable
 from ._harness import Scenario
 from ._models import input_ids, save_tiny_llama
 
 PATCH_ID = "offloaded-model-device"
-V4_PATCH_ID = "offloaded-model-device-v4"  # transformers 4.57: the same bug in another source of the property
 _NEW_TOKENS = 6
 
 # The embedding (the first parameter of a Llama) on disk, everything else in memory. On a machine
@@ -104,46 +102,22 @@ def device_unchanged_when_not_offloaded(workdir: Path) -> Dict[str, Any]:
     return {"max_abs_diff": 0.0, "devices": {k: str(v) for k, v in seen.items()}}
 
 
-def _transformers_major() -> int:
-    import importlib.metadata
-
-    return int(importlib.metadata.version("transformers").split(".")[0])
+TRANSFORMERS_5 = {"transformers": ">=5.0.0.dev0"}  # 4.57: offloaded-model-device-v4 runs these
 
 
-def _for_transformers_5(scenario: Any) -> Any:
-    def run(workdir: Path) -> Dict[str, Any]:
-        if _transformers_major() < 5:
-            raise NotApplicable(f"transformers < 5: see {V4_PATCH_ID}, which runs this scenario there")
-        return scenario(workdir)
-    return run
-
-
-def _for_transformers_4(scenario: Any) -> Any:
-    def run(workdir: Path) -> Dict[str, Any]:
-        if _transformers_major() >= 5:
-            raise NotApplicable(f"needs transformers < 5 (5.x: see {PATCH_ID})")
-        return scenario(workdir)
-    return run
-
-
-generate_embedding_on_disk_5 = _for_transformers_5(generate_with_offloaded_embedding)
-generate_embedding_on_disk_4 = _for_transformers_4(generate_with_offloaded_embedding)
-device_unchanged_5 = _for_transformers_5(device_unchanged_when_not_offloaded)
-device_unchanged_4 = _for_transformers_4(device_unchanged_when_not_offloaded)
-
-
-def _scenarios(patch_id: str, suffix: str, release: str) -> list:
+def scenarios(patch_id: str, requires: Dict[str, str], release: str = "") -> list:
+    """The two scenarios, for this patch (transformers 5) or the 4.57 one (the same functions)."""
     return [
-        Scenario(patch_id, "generate-embedding-on-disk", f"{__name__}:generate_embedding_on_disk_{suffix}",
+        Scenario(patch_id, "generate-embedding-on-disk", f"{__name__}:generate_with_offloaded_embedding",
                  f"{release}a Llama loaded with model.embed_tokens on disk: inputs.to(model.device) and greedy "
                  "generate() equal the in-memory model's tokens (unpatched: RuntimeError 'Tensor.item() cannot be "
                  "called on meta tensors')",
-                 expected_error="RuntimeError"),
-        Scenario(patch_id, "device-unchanged-when-not-offloaded", f"{__name__}:device_unchanged_{suffix}",
+                 expected_error="RuntimeError", requires=requires),
+        Scenario(patch_id, "device-unchanged-when-not-offloaded", f"{__name__}:device_unchanged_when_not_offloaded",
                  f"{release}model.device of in-memory, dispatched-not-offloaded and init_empty_weights models is "
-                 "upstream's (passes with and without metapatch)",
+                 "upstream's (passes with and without metapatch)", requires=requires,
                  in_selftest=False),  # a no-regression guard: the test suite runs it, selftest with --include-slow
     ]
 
 
-SCENARIOS = [*_scenarios(PATCH_ID, "5", ""), *_scenarios(V4_PATCH_ID, "4", "transformers 4.57: ")]
+SCENARIOS = scenarios(PATCH_ID, TRANSFORMERS_5)
