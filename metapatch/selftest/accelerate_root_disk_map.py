@@ -63,5 +63,5 @@ SCENARIOS = [
     Scenario(PATCH_ID, "inferred-map-all-on-disk", f"{__name__}:inferred_all_on_disk",
              "infer_auto_device_map(max_memory={'cpu': 0}) gives {'': 'disk'}; dispatch_model with it: logits equal "
              "the in-memory model (unpatched: FileNotFoundError .../index.json)",
-             expected_error="FileNotFoundError"),
+             expected_error="FileNotFoundError", expected_message=r"index\.json"),
 ]

@@ -125,21 +125,22 @@ def untied_models_unchanged(workdir: Path) -> Dict[str, Any]:
     return {"max_abs_diff": 0.0, "head_tied": False, "maps": sorted(seen)}
 
 
+NO_VALUE = "weight is on the meta device, we need a `value` to put in on cpu"
 _UPSTREAM_ERRORS = "unpatched: ValueError 'weight is on the meta device, we need a `value`'"
 
 SCENARIOS = [
     Scenario(PATCH_ID, "dispatch-cpu-disk-map", f"{__name__}:dispatch_cpu_disk_map",
              "a tied Llama built under init_empty_weights, load_checkpoint_and_dispatch with layers on disk: logits "
              f"equal the in-memory model's ({_UPSTREAM_ERRORS})",
-             expected_error="ValueError"),
+             expected_error="ValueError", expected_message=NO_VALUE),
     Scenario(PATCH_ID, "dispatch-auto", f"{__name__}:dispatch_auto",
              'the same with device_map="auto": tied parameters placed together, logits equal the in-memory model\'s '
              "(unpatched on a machine without accelerators: NotImplementedError 'Cannot copy out of meta tensor')",
-             expected_error="NotImplementedError"),
+             expected_error="NotImplementedError", expected_message="Cannot copy out of meta tensor"),
     Scenario(PATCH_ID, "load-checkpoint-in-model", f"{__name__}:load_in_model_then_dispatch",
              "the same through load_checkpoint_in_model + dispatch_model: logits equal the in-memory model's "
              f"({_UPSTREAM_ERRORS})",
-             expected_error="ValueError"),
+             expected_error="ValueError", expected_message=NO_VALUE),
     Scenario(PATCH_ID, "untied-models-unchanged", f"{__name__}:untied_models_unchanged",
              "a Llama with tie_word_embeddings=False loads exactly and stays untied (passes with and without metapatch)",
              in_selftest=False),  # a no-regression guard: the test suite runs it, selftest with --include-slow

@@ -36,5 +36,5 @@ SCENARIOS = [
              "dispatch_model with disk layers of a 4-bit model as from_pretrained returned it: "
              "Params4bit.__new__ rejects the _is_hf_initialized attribute transformers 5.x sets "
              "(bitsandbytes < 0.50)",
-             expected_error="TypeError"),
+             expected_error="TypeError", expected_message="_is_hf_initialized"),
 ]

@@ -18,6 +18,7 @@ from ._harness import Scenario
 from ._models import input_ids, save_tiny_llama
 
 PATCH_ID = "offloaded-dtype-conversion"
+REFUSAL = "You can't move a model that has some modules offloaded"  # accelerate's guard on model.to
 _MAP = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
         "model.layers.2": "cpu", "model.layers.3": "disk", "model.norm": "cpu", "lm_head": "cpu"}
 
@@ -78,9 +79,9 @@ SCENARIOS = [
     Scenario(PATCH_ID, "to-dtype-layers-on-disk", f"{__name__}:to_dtype",
              "model.to(torch.bfloat16) on a Llama with layers on disk: equal to the in-memory model converted first "
              "(unpatched: RuntimeError \"You can't move a model that has some modules offloaded\")",
-             expected_error="RuntimeError"),
+             expected_error="RuntimeError", expected_message=REFUSAL),
     Scenario(PATCH_ID, "to-own-device-and-dtype-layers-on-disk", f"{__name__}:to_own_device_and_dtype",
              "model.to('cpu', torch.float16) with cpu the execution device and layers on disk: a conversion, "
              "equal to the in-memory model converted first",
-             expected_error="RuntimeError"),
+             expected_error="RuntimeError", expected_message=REFUSAL),
 ]

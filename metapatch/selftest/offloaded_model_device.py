@@ -112,7 +112,8 @@ def scenarios(patch_id: str, requires: Dict[str, str], release: str = "") -> lis
                  f"{release}a Llama loaded with model.embed_tokens on disk: inputs.to(model.device) and greedy "
                  "generate() equal the in-memory model's tokens (unpatched: RuntimeError 'Tensor.item() cannot be "
                  "called on meta tensors')",
-                 expected_error="RuntimeError", requires=requires),
+                 expected_error="RuntimeError", expected_message=r"Tensor\.item\(\) cannot be called on meta tensors",
+                 requires=requires),
         Scenario(patch_id, "device-unchanged-when-not-offloaded", f"{__name__}:device_unchanged_when_not_offloaded",
                  f"{release}model.device of in-memory, dispatched-not-offloaded and init_empty_weights models is "
                  "upstream's (passes with and without metapatch)", requires=requires,

@@ -136,10 +136,10 @@ SCENARIOS = [
     Scenario(PATCH_ID, "move-offloaded-submodule", f"{__name__}:move_offloaded_submodule",
              "model.model.to('cpu'), torch.nn.Module.to(model, 'cpu'), model.cpu(), layer.cpu() on a disk-offloaded Llama "
              "give a clear error; the model still matches the in-memory logits",
-             expected_error="NotImplementedError"),
+             expected_error="NotImplementedError", expected_message="Cannot copy out of meta tensor"),
     Scenario(PATCH_ID, "move-offloaded-peft-model", f"{__name__}:move_offloaded_peft_model",
              "PeftModel.to('cpu') around a disk-offloaded Llama gives a clear error",
-             expected_error="NotImplementedError"),
+             expected_error="NotImplementedError", expected_message="Cannot copy out of meta tensor"),
     Scenario(PATCH_ID, "moves-that-keep-working", f"{__name__}:moves_that_keep_working",
              ".half() of an offloaded model equals an in-memory .half(); a dispatched model with nothing "
              "offloaded moves as before (passes with and without metapatch)",

@@ -1,16 +1,38 @@
 """The three legs every patch test runs on its selftest scenarios (subprocesses, real libraries):
 unpatched (the upstream error where the install is affected), patched (equal to the in-memory
 reference), and the upstream diff alone (applied to a copy of the installed package, metapatch
-disabled; a series of diffs, all of them in order). Shared so that each test file states only what
-is particular to its patch."""
+disabled; a series of diffs, all of them in order).
+
+:class:`ThreeWayCase` generates the three tests from the record and its scenarios: what each leg
+expects is declared on the ``Scenario`` (``requires``, ``unpatched``/``expected_error``/
+``expected_message``, ``tolerance``) and the patch's gate, so a test file states only what is
+particular to its patch::
+
+    class TestThreeWay(ThreeWayCase):
+        patch_ids = (PATCH.id,)
+
+        def check_patched(self, scenario, outcome):  # optional: what only this patch measures
+            assert outcome.metrics["head_tied"] is bool(scenario.expected_error)
+
+The loose assertions below stay for the files that have not adopted the case yet.
+"""
 
 from __future__ import annotations
 
-from typing import Optional
+import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import pytest
 
+import metapatch
 from metapatch.diffs import APPLIES, apply_to_copy, check, diffs_for
+from metapatch.selftest import Outcome, Scenario, run_scenario, scenarios_for
+
+LEGS = ("unpatched", "patched", "diff")
+NOT_APPLICABLE = ("NotApplicable", "ModelUnavailable")  # the error types of an n/a outcome
 
 
 def assert_equals_reference(outcome) -> None:
@@ -26,16 +48,207 @@ def assert_upstream_error(outcome, scenario, why: str, message: Optional[str]) -
         assert message in outcome.error, outcome.error
 
 
-def upstream_diff_copy(patch_id: str, tmp_path_factory, skip_reason: str = "") -> str:
-    """A copy of the installed package with the patch's upstream diff (or its series of diffs, in
-    order) applied; skipped, with the reason, where a diff (written against upstream main) does not
-    apply to this release."""
-    series = diffs_for(patch_id)
+def diff_copy(series: Sequence, dest: Path) -> Tuple[Optional[str], str]:
+    """(a copy of the installed package with ``series`` applied in order, '') or (None, why not): a
+    diff written against upstream main may not apply to this release."""
     assert len({diff.package for diff in series}) == 1, [d.path.name for d in series]  # one package
     for n, diff in enumerate(series):
         assert diff.header["Forwarded"] == "no" and diff.header["Last-Update"]
-        verdict = check(diff, previous=series[:n])
+        verdict = check(diff, previous=list(series[:n]))
         if verdict.verdict != APPLIES:
-            pytest.skip(f"{diff.path.name} does not apply to the installed {diff.package} "
-                        f"{verdict.installed}: {verdict.verdict}" + (f" ({skip_reason})" if skip_reason else ""))
-    return str(apply_to_copy(series, tmp_path_factory.mktemp(patch_id)))
+            return None, (f"{diff.path.name} does not apply to the installed {diff.package} "
+                          f"{verdict.installed}: {verdict.verdict}")
+    return str(apply_to_copy(list(series), dest)), ""
+
+
+def upstream_diff_copy(patch_id: str, tmp_path_factory, skip_reason: str = "") -> str:
+    """A copy of the installed package with the patch's upstream diff (or its series of diffs, in
+    order) applied; skipped, with the reason, where a diff does not apply to this release."""
+    path, why = diff_copy(diffs_for(patch_id), tmp_path_factory.mktemp(patch_id))
+    if path is None:
+        pytest.skip(why + (f" ({skip_reason})" if skip_reason else ""))
+    return path
+
+
+def explain(outcome: Outcome) -> str:
+    return f"{outcome.error_type}: {outcome.error}\n{outcome.traceback[-3000:]}\n{outcome.stderr_tail[-1500:]}"
+
+
+class _Runs:
+    """Every (scenario, leg) run once per class, on demand or started ahead in ``workers`` threads;
+    each run in its own empty working directory, which must stay empty."""
+
+    def __init__(self, case: "ThreeWayCase", root: Path, scenarios: List[Scenario]) -> None:
+        self.case, self.root = case, root
+        self.lock = threading.Lock()
+        self.copies: Dict[str, Tuple[Optional[str], str]] = {}
+        self.futures: Dict[Tuple[str, str], object] = {}
+        self.pool = ThreadPoolExecutor(max_workers=max(1, case.workers))
+        if case.workers > 1:
+            for scenario in scenarios:
+                for leg in LEGS:
+                    if leg != "diff" or not case.diff_skip(scenario):
+                        self._submit(scenario, leg)
+
+    def copy_for(self, patch_id: str) -> Tuple[Optional[str], str]:
+        with self.lock:
+            if patch_id not in self.copies:
+                series = self.case.diff_series(patch_id)
+                self.copies[patch_id] = diff_copy(series, self.root / "diffs" / patch_id) if series else \
+                    (None, f"{patch_id} has no upstream diff")
+            return self.copies[patch_id]
+
+    def _submit(self, scenario: Scenario, leg: str):
+        with self.lock:
+            key = (scenario.key, leg)
+            if key not in self.futures:
+                self.futures[key] = self.pool.submit(self._run, scenario, leg)
+            return self.futures[key]
+
+    def _run(self, scenario: Scenario, leg: str):
+        pythonpath: List[str] = []
+        if leg == "diff":
+            path, why = self.copy_for(scenario.patch_id)
+            if path is None:
+                return None, why
+            pythonpath = [path]
+        cwd = self.root / "cwd" / f"{scenario.key.replace('/', '-')}-{leg}"
+        cwd.mkdir(parents=True)
+        outcome = run_scenario(scenario, patched=leg == "patched", pythonpath=pythonpath, cwd=str(cwd))
+        return outcome, sorted(p.name for p in cwd.iterdir())
+
+    def get(self, scenario: Scenario, leg: str) -> Outcome:
+        outcome, extra = self._submit(scenario, leg).result()
+        if outcome is None:
+            pytest.skip(f"{leg} leg does not apply: {extra}")
+        assert extra == [], f"{scenario.key} ({leg}) wrote into its working directory: {extra}"
+        return outcome
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+class ThreeWayCase:
+    """Unpatched, patched and upstream-diff legs for every scenario of ``patch_ids``. Override the
+    ``check_*`` hooks for what is particular to a patch, ``diff_skip`` / ``diff_series`` where its
+    diff leg differs from "the patch's own diffs, where they apply"."""
+
+    patch_ids: Tuple[str, ...] = ()
+    names: Dict[str, set] = {}  # {patch id: its scenario names}, where the file pins them
+    workers = 1  # runs started ahead, in threads (1: each run when its test asks)
+
+    # -- generation ---------------------------------------------------------------------------
+
+    def pytest_generate_tests(self, metafunc) -> None:
+        if "scenario" in metafunc.fixturenames:
+            scenarios = self.scenarios()
+            name = (lambda s: s.key) if len(self.patch_ids) > 1 else (lambda s: s.name)
+            metafunc.parametrize("scenario", scenarios, ids=name)
+
+    @classmethod
+    def scenarios(cls) -> List[Scenario]:
+        return [s for patch_id in cls.patch_ids for s in scenarios_for(patch_id)]
+
+    @pytest.fixture(scope="class")
+    def runs(self, tmp_path_factory):
+        started = _Runs(self, tmp_path_factory.mktemp("three-way"), self.scenarios())
+        yield started
+        started.close()
+
+    # -- what a patch may override -------------------------------------------------------------
+
+    def gate(self, patch_id: str):
+        return metapatch.registry.gate(metapatch.registry.patches[patch_id])
+
+    def diff_series(self, patch_id: str) -> list:
+        """The diffs applied to one copy for the diff leg of ``patch_id``'s scenarios."""
+        return list(diffs_for(patch_id))
+
+    def diff_skip(self, scenario: Scenario) -> str:
+        """Why the diff leg does not run for ``scenario`` ('' = it runs)."""
+        if not diffs_for(scenario.patch_id):
+            fixed = metapatch.registry.patches[scenario.patch_id].upstream.fixed_in
+            return "no upstream diff" + (f": fixed upstream in {fixed}" if fixed else "")
+        return ""
+
+    def not_applicable_reason(self, scenario: Scenario) -> Optional[str]:
+        """Where a scenario whose ``requires`` are met must report n/a by itself (its model class or
+        API is missing): the text its reason contains; '' where it must run; None (the default) where
+        the file does not say (an n/a is then accepted after ``own_not_applicable``)."""
+        return None
+
+    def own_not_applicable(self, scenario: Scenario, outcome: Outcome) -> None:
+        """Checks an n/a the scenario reported by itself, where ``not_applicable_reason`` is None."""
+
+    def check_unpatched(self, scenario: Scenario, outcome: Outcome) -> None:
+        pass
+
+    def check_patched(self, scenario: Scenario, outcome: Outcome) -> None:
+        pass
+
+    def check_diff(self, scenario: Scenario, outcome: Outcome) -> None:
+        pass
+
+    # -- the legs ------------------------------------------------------------------------------
+
+    def _applies(self, scenario: Scenario, outcome: Outcome) -> None:
+        """Skips (after checking it) where the scenario is n/a here: exactly where ``requires`` is unmet,
+        with that reason, or where the scenario itself says so and ``own_not_applicable`` accepts it."""
+        unmet = scenario.not_applicable_here()
+        if unmet:
+            assert outcome.not_applicable == unmet and not outcome.passed, explain(outcome)
+            assert outcome.error_type in NOT_APPLICABLE, explain(outcome)
+            pytest.skip(f"n/a here: {unmet}")
+        expected = self.not_applicable_reason(scenario)
+        if expected is not None:
+            if not expected:
+                assert not outcome.not_applicable, f"{scenario.key} reported n/a on a stack that has what it needs"
+                return
+            assert outcome.not_applicable and expected in outcome.not_applicable, explain(outcome)
+        if outcome.not_applicable:
+            assert not outcome.passed and outcome.error_type in NOT_APPLICABLE, explain(outcome)
+            if expected is None:
+                self.own_not_applicable(scenario, outcome)
+            pytest.skip(f"n/a here: {outcome.not_applicable}")
+
+    def test_scenarios_exist(self):
+        for patch_id in self.patch_ids:
+            found = {s.name for s in scenarios_for(patch_id)}
+            assert found, f"{patch_id} has no selftest scenario"
+            if patch_id in self.names:
+                assert found == self.names[patch_id]
+
+    def test_unpatched(self, runs, scenario):
+        outcome = runs.get(scenario, "unpatched")
+        assert set(outcome.states.values()) <= {"disabled"}, outcome.states
+        self._applies(scenario, outcome)
+        gate = self.gate(scenario.patch_id)
+        expect = scenario.expected_unpatched(gate.affected)
+        if expect.error:
+            assert not outcome.passed, f"{scenario.key} passed without metapatch here ({gate.why})"
+            assert outcome.error_type in expect.error.split("|"), explain(outcome)
+            if expect.message:
+                assert re.search(expect.message, outcome.error or ""), (expect.message, outcome.error)
+        else:
+            assert outcome.passed, explain(outcome)
+        self.check_unpatched(scenario, outcome)
+
+    def test_patched(self, runs, scenario):
+        outcome = runs.get(scenario, "patched")
+        self._applies(scenario, outcome)
+        assert outcome.passed, explain(outcome)
+        assert outcome.metrics["max_abs_diff"] <= scenario.tolerance, outcome.metrics
+        gate = self.gate(scenario.patch_id)
+        assert outcome.states[scenario.patch_id] == ("applied" if gate.affected else gate.state.value), \
+            (scenario.patch_id, outcome.states)
+        self.check_patched(scenario, outcome)
+
+    def test_upstream_diff_alone(self, runs, scenario):
+        why = self.diff_skip(scenario)
+        if why:
+            pytest.skip(f"diff leg does not apply: {why}")
+        outcome = runs.get(scenario, "diff")
+        self._applies(scenario, outcome)
+        assert outcome.passed, explain(outcome)
+        assert outcome.metrics["max_abs_diff"] <= scenario.tolerance, outcome.metrics
+        self.check_diff(scenario, outcome)

@@ -12,53 +12,24 @@ import pytest
 
 import metapatch
 from metapatch.patches.accelerate_tie_before_load import PATCH, tie_if_declared, untied_declared_ties
-from metapatch.selftest import run_scenario, scenarios_for
 
-from _three_way import assert_equals_reference, upstream_diff_copy  # tests/patches/_three_way.py
+from _three_way import ThreeWayCase  # tests/patches/_three_way.py
 
 AFFECTED, WHY, _, _ = metapatch.registry.gate(PATCH)
-SCENARIOS = scenarios_for(PATCH.id)
-UPSTREAM_MESSAGES = {
-    "ValueError": "weight is on the meta device, we need a `value` to put in on cpu",
-    "NotImplementedError": "Cannot copy out of meta tensor",
-}
 
 
-def test_scenarios_exist():
-    assert {s.name for s in SCENARIOS} == {"dispatch-cpu-disk-map", "dispatch-auto", "load-checkpoint-in-model",
-                                           "untied-models-unchanged"}
+class TestThreeWay(ThreeWayCase):
+    patch_ids = (PATCH.id,)
+    names = {PATCH.id: {"dispatch-cpu-disk-map", "dispatch-auto", "load-checkpoint-in-model",
+                        "untied-models-unchanged"}}
 
+    def check_unpatched(self, scenario, outcome):
+        if outcome.passed:
+            assert outcome.metrics["head_tied"] is False
 
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
-def test_unpatched(scenario):
-    outcome = run_scenario(scenario, patched=False)
-    assert outcome.states[PATCH.id] == "disabled"
-    if AFFECTED and scenario.expected_error:
-        assert not outcome.passed, f"{scenario.key} passed unpatched on an affected install ({WHY})"
-        assert outcome.error_type == scenario.expected_error, outcome.traceback
-        assert UPSTREAM_MESSAGES[scenario.expected_error] in outcome.error
-    else:
-        assert outcome.passed, outcome.traceback or outcome.stderr_tail
-        assert outcome.metrics["head_tied"] is False
-
-
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
-def test_patched(scenario):
-    outcome = run_scenario(scenario, patched=True)
-    assert_equals_reference(outcome)  # torch.equal with the in-memory model's logits
-    assert outcome.states[PATCH.id] == ("applied" if AFFECTED else "not-affected")
-    # tied exactly where the model declares it
-    assert outcome.metrics["head_tied"] is bool(scenario.expected_error)
-
-
-@pytest.fixture(scope="module")
-def accelerate_with_diff(tmp_path_factory):
-    return upstream_diff_copy(PATCH.id, tmp_path_factory)
-
-
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
-def test_upstream_diff_alone(scenario, accelerate_with_diff):
-    assert_equals_reference(run_scenario(scenario, patched=False, pythonpath=[accelerate_with_diff]))
+    def check_patched(self, scenario, outcome):
+        # tied exactly where the model declares it
+        assert outcome.metrics["head_tied"] is bool(scenario.expected_error)
 
 
 # -- in-process: when the wrapper ties, and when it leaves the model alone -------------------------

@@ -8,37 +8,22 @@ from __future__ import annotations
 
 import pytest
 
-import metapatch
 from metapatch._registry import Registry
 from metapatch.patches.bnb_params4bit_extra_attributes import PATCH, _accepting_extra_keywords
-from metapatch.selftest import run_scenario, scenarios_for
 
-AFFECTED, WHY, VERSIONS, _ = metapatch.registry.gate(PATCH)
-(SCENARIO,) = scenarios_for(PATCH.id)
+from _three_way import ThreeWayCase  # tests/patches/_three_way.py
 
 
-def _run(patched):
-    outcome = run_scenario(SCENARIO, patched=patched)
-    if outcome.not_applicable:  # e.g. transformers 5.x with bitsandbytes 0.46.0 loads no 4-bit model
-        pytest.skip(f"n/a here: {outcome.not_applicable}")
-    return outcome
+class TestThreeWay(ThreeWayCase):
+    """Unpatched: the TypeError where affected; passes on bitsandbytes >= 0.50 or accelerate >= 1.14 (the
+    upstream fixes, so the diff leg reports "no upstream diff"), or transformers 4.x (no attribute set).
+    A scenario n/a here (transformers 5.x with bitsandbytes 0.46.0 loads no 4-bit model) is skipped."""
 
+    patch_ids = (PATCH.id,)
+    names = {PATCH.id: {"dispatch-as-loaded"}}
 
-def test_unpatched():
-    outcome = _run(patched=False)
-    assert outcome.states[PATCH.id] == "disabled"
-    if AFFECTED:
-        assert not outcome.passed, f"passed unpatched on an affected install ({WHY})"
-        assert outcome.error_type == "TypeError" and "_is_hf_initialized" in outcome.error, outcome.traceback
-    else:  # bitsandbytes >= 0.50 or accelerate >= 1.14 (the upstream fixes), or transformers 4.x (no attribute set)
-        assert outcome.passed, outcome.traceback or outcome.stderr_tail
-
-
-def test_patched():
-    outcome = _run(patched=True)
-    assert outcome.passed, outcome.traceback or outcome.stderr_tail
-    assert outcome.metrics["offloaded_4bit_layers"] > 0
-    assert outcome.states[PATCH.id] == ("applied" if AFFECTED else "not-affected")
+    def check_patched(self, scenario, outcome):
+        assert outcome.metrics["offloaded_4bit_layers"] > 0
 
 
 @pytest.mark.parametrize("bnb, transformers, accelerate, affected, reason", [

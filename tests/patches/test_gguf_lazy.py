@@ -1,7 +1,7 @@
 """gguf-lazy-eager-mix: three-way proof with the real ``gguf`` package (subprocesses), plus in-process
 checks of what the replacement hands the meta pass and the real evaluation.
 
-The lazy torch tensor type is the minimal one in metapatch.selftest.gguf_lazy (built on
+The lazy torch tensor type is the minimal one in metapatch.selftest.gguf_lazy_eager_mix (built on
 ``gguf.lazy.LazyBase`` as llama.cpp's converter builds its own), and the arithmetic is BitNet's
 2-bit unpacking with an eagerly built shift tensor.
 """
@@ -16,9 +16,11 @@ from pathlib import Path
 import pytest
 
 import metapatch
-from metapatch.diffs import apply_to_copy, diffs_for
+from metapatch.diffs import diffs_for
 from metapatch.patches.gguf_lazy_eager_mix import PATCH
 from metapatch.selftest import run_scenario, scenarios_for
+
+from _three_way import ThreeWayCase  # tests/patches/_three_way.py
 
 PATCH_ID = PATCH.id
 SCENARIOS = scenarios_for(PATCH_ID)
@@ -28,46 +30,17 @@ DEVICE_ERROR = "Tensor on device cpu is not on the expected device meta!"
 needs_gguf = pytest.mark.skipif(VERSIONS.get("gguf") is None, reason="the gguf package is not installed")
 
 
-def test_scenarios_exist():
-    assert [s.name for s in SCENARIOS] == ["bitnet-unpack"]
+class TestThreeWay(ThreeWayCase):
+    patch_ids = (PATCH_ID,)
+    names = {PATCH_ID: {"bitnet-unpack"}}
+
+    def check_patched(self, scenario, outcome):
+        assert outcome.metrics["elements"] == 32 * 24
 
 
-@needs_gguf
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
-def test_unpatched(scenario):
-    outcome = run_scenario(scenario, patched=False)
-    assert outcome.states[PATCH_ID] == "disabled"
-    if AFFECTED:
-        assert not outcome.passed, f"{scenario.key} passed unpatched on an affected install ({WHY})"
-        assert outcome.error_type == "RuntimeError", outcome.traceback
-        assert DEVICE_ERROR in outcome.error
-    else:
-        assert outcome.passed, outcome.traceback or outcome.stderr_tail
-
-
-@needs_gguf
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
-def test_patched(scenario):
-    outcome = run_scenario(scenario, patched=True)
-    assert outcome.states[PATCH_ID] == ("applied" if AFFECTED else "not-affected"), outcome.states
-    assert outcome.passed, outcome.traceback or outcome.stderr_tail
-    assert outcome.metrics["max_abs_diff"] == 0 and outcome.metrics["elements"] == 32 * 24
-
-
-@pytest.fixture(scope="module")
-def gguf_with_diff(tmp_path_factory):
+def test_diff_is_the_lazy_module_alone():
     (diff,) = diffs_for(PATCH_ID)
     assert diff.package == "gguf" and [s.path for s in diff.package_sections()] == ["gguf-py/gguf/lazy.py"]
-    assert diff.header["Forwarded"] == "no" and diff.header["Last-Update"]
-    return str(apply_to_copy(diff, tmp_path_factory.mktemp("gguf-lazy-eager-mix")))
-
-
-@needs_gguf
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
-def test_upstream_diff_alone(scenario, gguf_with_diff):
-    outcome = run_scenario(scenario, patched=False, pythonpath=[gguf_with_diff])
-    assert outcome.passed, outcome.traceback or outcome.stderr_tail
-    assert outcome.metrics["max_abs_diff"] == 0
 
 
 def test_not_applicable_without_gguf(tmp_path):
@@ -86,7 +59,7 @@ needs_patch = pytest.mark.skipif(not AFFECTED, reason=f"patch not active here: {
 
 @pytest.fixture
 def lazy_type():
-    from metapatch.selftest.gguf_lazy import lazy_torch_tensor_type
+    from metapatch.selftest.gguf_lazy_eager_mix import lazy_torch_tensor_type
 
     return lazy_torch_tensor_type()
 
@@ -157,7 +130,7 @@ def test_numpy_lazy_tensors_unchanged(gguf_lazy):
 
 @needs_patch
 def test_unpatch_restores_the_original_error(lazy_type, torch, gguf_lazy):
-    from metapatch.selftest.gguf_lazy import bitnet_inputs, unpack_bitnet
+    from metapatch.selftest.gguf_lazy_eager_mix import bitnet_inputs, unpack_bitnet
 
     _, packed, scale = bitnet_inputs()
     metapatch.unpatch(PATCH_ID)
@@ -206,7 +179,7 @@ def _convert(checkpoint: Path, outfile: Path, *extra: str, metapatch_run: bool) 
 @pytest.fixture(scope="module")
 def bitnet_checkpoint(tmp_path_factory):
     from metapatch.selftest import NotApplicable
-    from metapatch.selftest.gguf_lazy import save_tiny_bitnet
+    from metapatch.selftest.gguf_lazy_eager_mix import save_tiny_bitnet
 
     directory = tmp_path_factory.mktemp("bitnet") / "ckpt"
     try:

@@ -9,43 +9,16 @@ import pytest
 
 import metapatch
 from metapatch.patches.offloaded_dtype_conversion import PATCH
-from metapatch.selftest import run_scenario, scenarios_for
+from metapatch.selftest.offloaded_dtype_conversion import REFUSAL
 
-from _three_way import assert_equals_reference, assert_upstream_error, upstream_diff_copy
+from _three_way import ThreeWayCase  # tests/patches/_three_way.py
 
-PATCH_ID = PATCH.id
-SCENARIOS = scenarios_for(PATCH_ID)
 AFFECTED, WHY, _, _ = metapatch.registry.gate(PATCH)
-REFUSAL = "You can't move a model that has some modules offloaded"
 
 
-def test_scenarios_exist():
-    assert {s.name for s in SCENARIOS} == {"to-dtype-layers-on-disk", "to-own-device-and-dtype-layers-on-disk"}
-
-
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
-def test_unpatched(scenario):
-    outcome = run_scenario(scenario, patched=False)
-    assert outcome.states[PATCH_ID] == "disabled"
-    assert_upstream_error(outcome, scenario, WHY, REFUSAL)
-
-
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
-def test_patched(scenario):
-    outcome = run_scenario(scenario, patched=True)
-    if not AFFECTED:
-        pytest.skip(f"not affected here: {WHY}")
-    assert_equals_reference(outcome)
-
-
-@pytest.fixture(scope="module")
-def accelerate_with_diff(tmp_path_factory):
-    return upstream_diff_copy(PATCH_ID, tmp_path_factory)
-
-
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
-def test_upstream_diff_alone(scenario, accelerate_with_diff):
-    assert_equals_reference(run_scenario(scenario, patched=False, pythonpath=[accelerate_with_diff]))
+class TestThreeWay(ThreeWayCase):
+    patch_ids = (PATCH.id,)
+    names = {PATCH.id: {"to-dtype-layers-on-disk", "to-own-device-and-dtype-layers-on-disk"}}
 
 
 torch = pytest.importorskip("torch")

@@ -12,65 +12,41 @@ import pytest
 import metapatch
 from metapatch.patches.offloaded_model_device import PATCH
 from metapatch.patches.offloaded_model_device_v4 import PATCH as V4_PATCH
-from metapatch.selftest import run_scenario, scenarios_for
+from metapatch.selftest import scenarios_for
 
-from _three_way import assert_equals_reference, assert_upstream_error, upstream_diff_copy  # tests/patches/_three_way.py
+from _three_way import ThreeWayCase  # tests/patches/_three_way.py
 
 GATES = {p.id: metapatch.registry.gate(p) for p in (PATCH, V4_PATCH)}
-# The patch for the installed release line, and the one whose scenarios must report n/a here.
-ACTIVE, OTHER = (V4_PATCH, PATCH) if GATES[V4_PATCH.id][0] else (PATCH, V4_PATCH)
+# The patch for the installed release line; the other line's scenarios report n/a here (their requires).
+ACTIVE = V4_PATCH if GATES[V4_PATCH.id][0] else PATCH
 AFFECTED, WHY, _, _ = GATES[ACTIVE.id]
-SCENARIOS = scenarios_for(ACTIVE.id)
-META_ITEM_ERROR = "Tensor.item() cannot be called on meta tensors"
-
-
-def test_scenarios_exist():
-    for patch in (PATCH, V4_PATCH):
-        names = {s.name for s in scenarios_for(patch.id)}
-        assert names == {"generate-embedding-on-disk", "device-unchanged-when-not-offloaded"}
+NAMES = {"generate-embedding-on-disk", "device-unchanged-when-not-offloaded"}
 
 
 def test_exactly_one_release_line_is_affected():
     assert not (GATES[PATCH.id][0] and GATES[V4_PATCH.id][0])
 
 
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
-def test_unpatched(scenario):
-    outcome = run_scenario(scenario, patched=False)
-    assert outcome.states[ACTIVE.id] == "disabled"
-    if AFFECTED and scenario.expected_error:
-        assert_upstream_error(outcome, scenario, WHY, META_ITEM_ERROR)
-    else:
-        assert outcome.passed, outcome.traceback or outcome.stderr_tail
+def test_each_release_line_runs_where_the_other_does_not():
+    for name in NAMES:
+        (new,), (old,) = ([s for s in scenarios_for(p.id) if s.name == name] for p in (PATCH, V4_PATCH))
+        assert bool(new.not_applicable_here()) != bool(old.not_applicable_here()), (new.requires, old.requires)
 
 
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
-def test_patched(scenario):
-    outcome = run_scenario(scenario, patched=True)
-    assert_equals_reference(outcome)
-    assert outcome.states[ACTIVE.id] == ("applied" if AFFECTED else "not-affected")
-    if scenario.name == "generate-embedding-on-disk" and AFFECTED:
-        # the offload hook's execution device on a machine without accelerators, for the model and its base
-        assert outcome.metrics["model_device"] == outcome.metrics["inner_model_device"] == "cpu"
+class TestThreeWay(ThreeWayCase):
+    patch_ids = (PATCH.id, V4_PATCH.id)
+    names = {PATCH.id: NAMES, V4_PATCH.id: NAMES}
 
+    def check_patched(self, scenario, outcome):
+        if scenario.name == "generate-embedding-on-disk" and AFFECTED:
+            # the offload hook's execution device on a machine without accelerators, for the model and its base
+            assert outcome.metrics["model_device"] == outcome.metrics["inner_model_device"] == "cpu"
 
-@pytest.mark.parametrize("scenario", scenarios_for(OTHER.id), ids=lambda s: s.name)
-def test_other_release_line_is_not_applicable(scenario):
-    outcome = run_scenario(scenario, patched=True)
-    assert outcome.not_applicable and not outcome.passed, outcome.traceback or outcome.stderr_tail
-
-
-@pytest.fixture(scope="module")
-def transformers_with_diff(tmp_path_factory):
-    if ACTIVE is V4_PATCH:
-        pytest.skip("the upstream diff is written for transformers 5.x (main); 4.57 is a maintenance line whose "
+    def diff_skip(self, scenario):
+        if ACTIVE is V4_PATCH:
+            return ("the upstream diff is written for transformers 5.x (main); 4.57 is a maintenance line whose "
                     "property has another source")
-    return upstream_diff_copy(PATCH.id, tmp_path_factory)
-
-
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
-def test_upstream_diff_alone(scenario, transformers_with_diff):
-    assert_equals_reference(run_scenario(scenario, patched=False, pythonpath=[transformers_with_diff]))
+        return super().diff_skip(scenario)
 
 
 # -- in-process: the property as installed in this test process --------------------------------

@@ -11,57 +11,30 @@ import pytest
 import metapatch
 from metapatch import MetapatchError
 from metapatch._registry import Registry
-from metapatch.diffs import apply_to_copy, diffs_for
 from metapatch.patches.offloaded_move_guard import PATCH
-from metapatch.selftest import run_scenario, scenarios_for
+
+from _three_way import ThreeWayCase  # tests/patches/_three_way.py
 
 PATCH_ID = PATCH.id
-SCENARIOS = scenarios_for(PATCH_ID)
 AFFECTED, WHY, VERSIONS, _ = metapatch.registry.gate(PATCH)
 
 
-def test_scenarios_exist():
-    names = {s.name for s in SCENARIOS}
-    assert {"move-offloaded-submodule", "move-offloaded-peft-model", "moves-that-keep-working"} <= names
+class TestThreeWay(ThreeWayCase):
+    patch_ids = (PATCH_ID,)
 
+    def test_scenarios_exist(self):
+        super().test_scenarios_exist()
+        names = {s.name for s in self.scenarios()}
+        assert {"move-offloaded-submodule", "move-offloaded-peft-model", "moves-that-keep-working"} <= names
 
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
-def test_unpatched(scenario):
-    outcome = run_scenario(scenario, patched=False)
-    assert outcome.states[PATCH_ID] == "disabled"
-    if AFFECTED and scenario.expected_error:
-        assert not outcome.passed, f"{scenario.key} passed unpatched on an affected install ({WHY})"
-        assert outcome.error_type == scenario.expected_error, outcome.traceback
-        assert "Cannot copy out of meta tensor" in outcome.error
-    else:
-        assert outcome.passed, outcome.traceback or outcome.stderr_tail
+    def check_patched(self, scenario, outcome):
+        if AFFECTED and scenario.expected_error:
+            # every path was refused by the guard itself, not by accelerate's top-level one
+            assert set(outcome.metrics["moves"].values()) == {"OffloadedMoveError"}, outcome.metrics
 
-
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
-def test_patched(scenario):
-    outcome = run_scenario(scenario, patched=True)
-    assert outcome.passed, outcome.traceback or outcome.stderr_tail
-    assert outcome.metrics["max_abs_diff"] == 0
-    assert outcome.states[PATCH_ID] == ("applied" if AFFECTED else "not-affected")
-    if AFFECTED and scenario.expected_error:
-        # every path was refused by the guard itself, not by accelerate's top-level one
-        assert set(outcome.metrics["moves"].values()) == {"OffloadedMoveError"}, outcome.metrics
-
-
-@pytest.fixture(scope="module")
-def accelerate_with_diff(tmp_path_factory):
-    (diff,) = diffs_for(PATCH_ID)
-    assert diff.header["Forwarded"] == "no" and diff.header["Last-Update"]
-    return str(apply_to_copy(diff, tmp_path_factory.mktemp("accelerate-offloaded-move-guard")))
-
-
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
-def test_upstream_diff_alone(scenario, accelerate_with_diff):
-    outcome = run_scenario(scenario, patched=False, pythonpath=[accelerate_with_diff])
-    assert outcome.passed, outcome.traceback or outcome.stderr_tail
-    assert outcome.metrics["max_abs_diff"] == 0
-    if scenario.expected_error:
-        assert set(outcome.metrics["moves"].values()) == {"RuntimeError"}, outcome.metrics
+    def check_diff(self, scenario, outcome):
+        if scenario.expected_error:
+            assert set(outcome.metrics["moves"].values()) == {"RuntimeError"}, outcome.metrics
 
 
 def test_not_affected_without_accelerate():
