@@ -19,6 +19,8 @@ The loose assertions below stay for the files that have not adopted the case yet
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -74,6 +76,19 @@ def explain(outcome: Outcome) -> str:
     return f"{outcome.error_type}: {outcome.error}\n{outcome.traceback[-3000:]}\n{outcome.stderr_tail[-1500:]}"
 
 
+def _log(scenario: Scenario, leg: str, outcome: Outcome) -> None:
+    """One JSON line per run to $METAPATCH_THREE_WAY_LOG, where set: outcomes to compare across changes."""
+    path = os.environ.get("METAPATCH_THREE_WAY_LOG")
+    if path:
+        row = {"scenario": scenario.key, "leg": leg, "passed": outcome.passed, "error_type": outcome.error_type,
+               "not_applicable": outcome.not_applicable, "seconds": round(outcome.seconds, 1)}
+        with _LOG_LOCK, open(path, "a") as log:
+            log.write(json.dumps(row) + "\n")
+
+
+_LOG_LOCK = threading.Lock()
+
+
 class _Runs:
     """Every (scenario, leg) run once per class, on demand or started ahead in ``workers`` threads;
     each run in its own empty working directory, which must stay empty."""
@@ -115,6 +130,7 @@ class _Runs:
         cwd = self.root / "cwd" / f"{scenario.key.replace('/', '-')}-{leg}"
         cwd.mkdir(parents=True)
         outcome = run_scenario(scenario, patched=leg == "patched", pythonpath=pythonpath, cwd=str(cwd))
+        _log(scenario, leg, outcome)
         return outcome, sorted(p.name for p in cwd.iterdir())
 
     def get(self, scenario: Scenario, leg: str) -> Outcome:
