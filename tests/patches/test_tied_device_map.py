@@ -36,6 +36,7 @@ from metapatch.patches.tied_device_map_transformers import PATCH as TF_PATCH
 from metapatch.patches.tied_device_map_transformers_v4 import PATCH as V4_PATCH
 from metapatch.selftest import _tied as sc
 from metapatch.selftest import run_scenario, scenarios_for
+from metapatch.selftest.tied_device_map_transformers import SPLIT_MAP
 
 from _three_way import ThreeWayCase, explain  # tests/patches/_three_way.py
 
@@ -257,7 +258,7 @@ def test_explicit_map_repair_names_the_pair(tmp_path):
 
     model = sc.meta_model(sc.tiny_config())
     with pytest.warns(tg.TiedGroupsSplitWarning, match=r"model\.encoder\.language_model\..* is tied to 'model\.decoder"):
-        repaired = _get_device_map(model, dict(sc.SPLIT_MAP), None, None)
+        repaired = _get_device_map(model, dict(SPLIT_MAP), None, None)
     assert tg.split_groups(model, repaired) == []
     assert tg.unplaced_parameters(model, repaired) == []
     assert repaired[tg.entry_of(repaired, "model.encoder.vision_tower.patch_embedder.input_proj.weight")] == "cpu"
