@@ -151,7 +151,8 @@ class ThreeWayCase:
 
     patch_ids: Tuple[str, ...] = ()
     names: Dict[str, set] = {}  # {patch id: its scenario names}, where the file pins them
-    workers = 1  # runs started ahead, in threads (1: each run when its test asks)
+    # runs started ahead, in threads (1: each run when its test asks); METAPATCH_TEST_WORKERS sets it
+    workers = int(os.environ.get("METAPATCH_TEST_WORKERS", "1"))
 
     # -- generation ---------------------------------------------------------------------------
 
