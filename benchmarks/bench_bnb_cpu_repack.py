@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator
 
 import metapatch  # noqa: F401 - the patches under test
-from metapatch.selftest import bnb_offload as scenario
+from metapatch.selftest import _bnb as scenario
 from metapatch.selftest._models import input_ids, save_tiny_llama
 
 

@@ -27,7 +27,7 @@ from typing import Any, Dict, Iterable, List
 
 import metapatch  # noqa: F401 - the patches under test
 from metapatch.patches.bnb_quant_state_offload import HOST_ATTR
-from metapatch.selftest import bnb_offload as scenario
+from metapatch.selftest import _bnb as scenario
 from metapatch.selftest._models import input_ids, save_tiny_llama
 
 

@@ -64,7 +64,7 @@ def _lora_grads(path: Path, evaluate_first: bool) -> Tuple[Dict[str, Any], Any]:
     from peft import LoraConfig, get_peft_model
 
     from ._models import input_ids
-    from .bnb_offload import load_quantized, quant_config
+    from ._bnb import load_quantized, quant_config
 
     model = load_quantized(path, quant_config("nf4", True, "float32"))
     torch.manual_seed(3)
@@ -85,7 +85,7 @@ def training_after_eval(workdir: Path) -> Dict[str, Any]:
     forward/backward; every LoRA gradient equals the one of a model never evaluated. Unpatched
     on a repacking CPU the layers run the repacked kernel (no backward): ``grad None``."""
     from ._models import max_abs_diff
-    from .bnb_offload import base_checkpoint
+    from ._bnb import base_checkpoint
 
     repack = cpu_repack()
     path = base_checkpoint(workdir)
@@ -137,13 +137,13 @@ def save_after_forward(workdir: Path) -> Dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     from ._models import input_ids
-    from .bnb_offload import base_checkpoint, load_quantized, quant_config
+    from ._bnb import base_checkpoint, load_quantized, quant_config
 
     repack = cpu_repack()
     base = base_checkpoint(workdir)
     ids = input_ids()
     files = 0
-    from .bnb_offload import quantizes_on
+    from .bnb_quant_state_offload import quantizes_on
 
     for quant_type, double_quant in (("nf4", True), ("fp4", False)):
         if not quantizes_on("cpu", quant_type):  # bitsandbytes 0.46.x: nf4 only on the CPU
@@ -231,7 +231,7 @@ def _forward_drift(loaded: Dict[str, Any], after: Dict[str, Any], what: str) -> 
     0.50 no longer does). Returns how many quant states that rewrote; anything else raises."""
     import bitsandbytes
 
-    from .bnb_offload import _unpacked_blob
+    from .bnb_quant_state_offload import _unpacked_blob
 
     want, got = _digest(loaded), _digest(after)
     changed = sorted(k for k in want if want[k] != got.get(k))
@@ -260,7 +260,7 @@ def offloaded_layer_matrix(workdir: Path) -> Dict[str, Any]:
     import bitsandbytes.functional
 
     from . import NotApplicable
-    from .bnb_offload import quantizes_on
+    from .bnb_quant_state_offload import quantizes_on
 
     if not hasattr(bitsandbytes.functional, "_convert_weight_packed_for_cpu"):
         # bitsandbytes < 0.49 has no CPU repack, and its CPU kernels take only uint8 storage (in memory
@@ -328,7 +328,7 @@ def _dispatched_model_case(workdir: Path, arch: str, path: Path, storage: str) -
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     from ._models import input_ids
-    from .bnb_offload import _require_bitsandbytes
+    from ._bnb import _require_bitsandbytes
 
     _require_bitsandbytes()
     config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
@@ -373,7 +373,7 @@ def dispatched_models(workdir: Path) -> Dict[str, Any]:
     Gemma4ForCausalLM (nf4 double quant; its per-layer projections are not a multiple of the repack
     block). Logits equal to the in-memory model, the dispatched state dict byte-equal to it."""
     from . import NotApplicable
-    from .bnb_offload import base_checkpoint
+    from ._bnb import base_checkpoint
 
     repack = cpu_repack()
     metrics: Dict[str, Any] = {"max_abs_diff": 0.0, "cpu_repack": repack}

@@ -143,7 +143,7 @@ def fp32_step(workdir: Path) -> Dict[str, Any]:
 
 
 def nf4_double_quant_step(workdir: Path) -> Dict[str, Any]:
-    from .bnb_offload import base_checkpoint, dispatch, load_quantized, quant_config
+    from ._bnb import base_checkpoint, dispatch, load_quantized, quant_config
 
     checkpoint = base_checkpoint(workdir)
     config = quant_config("nf4", True)
