@@ -338,9 +338,16 @@ class Placement:
         return True
 
     def _splittable(self, key: str) -> bool:
+        """Whether ``key`` may be replaced by finer entries. A leaf module (no child modules) never is:
+        accelerate hooks modules, so a leaf whose weight and bias sat on two devices would keep the
+        offloaded one on meta with no hook to load it (a tied head with a bias beside an offloaded
+        embedding). Such a leaf moves whole."""
         if self._is_tensor(key):
             return False
-        return type(self._module(key)).__name__ not in self.no_split
+        module = self._module(key)
+        if module is None or not module._modules:
+            return False
+        return type(module).__name__ not in self.no_split
 
     def _movable(self, key: str, home: Any) -> bool:
         """``key`` may move to ``home`` without dragging any group anywhere it does not belong: every
