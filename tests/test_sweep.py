@@ -93,3 +93,18 @@ def test_placements_of_real_module_trees():
     assert [k for k, v in alternate.items() if v == "disk"] == ["encoder.block.1", "decoder.block.1"]
     covered = set(first)
     assert all(any(n == k or n.startswith(k + ".") for k in covered) for n, _ in t5.named_parameters())
+
+
+def test_generation_defaults_on_a_4x_config_are_not_shrunk(monkeypatch):
+    """transformers 4.x keeps generate()'s defaults on every config (top_k=50): shrunk to 2 by the MoE rule
+    beside do_sample=False, save_pretrained refused every 4.57 architecture ("GenerationConfig is invalid").
+    A generation default keeps its default value; the same key holding another value (an MoE's top_k)
+    is still shrunk."""
+    transformers = pytest.importorskip("transformers")
+    from metapatch.sweep import shrink
+
+    monkeypatch.setattr(transformers.PretrainedConfig, "_get_global_generation_defaults",
+                        staticmethod(lambda: {"top_k": 50, "num_beams": 1}), raising=False)
+    assert shrink.shrink_dict({"top_k": 50, "hidden_size": 4096})["top_k"] == 50
+    assert shrink.shrink_dict({"top_k": 8})["top_k"] == 2
+    assert shrink.shrink_dict({"text_config": {"top_k": 50, "model_type": "x"}})["text_config"]["top_k"] == 50

@@ -79,9 +79,23 @@ def _fix_token_ids(values: Dict[str, Any]) -> None:
             values[key] = [v if not isinstance(v, int) or v < vocab else vocab - 1 - i for i, v in enumerate(value)]
 
 
+def _generation_defaults() -> Dict[str, Any]:
+    """generate()'s defaults that transformers 4.x keeps on every config (``top_k=50``...): they size
+    nothing, and ``top_k`` shrunk to 2 beside ``do_sample=False`` makes save_pretrained refuse the
+    model's generation config."""
+    from transformers import PretrainedConfig
+
+    getter = getattr(PretrainedConfig, "_get_global_generation_defaults", None)
+    return dict(getter()) if callable(getter) else {}
+
+
 def shrink_dict(values: Dict[str, Any]) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
+    generation = _generation_defaults()
     for key, value in values.items():
+        if key in generation and value == generation[key]:
+            out[key] = value
+            continue
         if isinstance(value, (list, tuple, dict)) and (_DERIVED_LISTS.search(str(key)) or "layer" in str(key)):
             continue  # sized or keyed by the layer count (layer_types, per_layer_config): __init__ derives it again
         if isinstance(value, dict) and ("model_type" in value or str(key).endswith("config") or key in ("encoder", "decoder")):
