@@ -32,6 +32,7 @@ RULES: List[_Rule] = [
     (r"key_value_heads|kv_heads|num_kv", KV_HEADS),
     (r"(^|_)(num_)?(attention_)?heads$|^n_head$|_attention_heads$|^num_heads$|^n_heads$", HEADS),
     (r"head_dim$|^d_kv$|^kv_channels$|_head_dim$", HEAD_DIM),
+    (r"^rotary_dim$", HEAD_DIM // 2),  # GPT-J, CodeGen: at most the head dim
     (r"(^|_)(lora_rank|kv_lora_rank|q_lora_rank)$", 16),
     (r"experts_per_tok$|^top_k$|^moe_topk$|^num_selected_experts$|^topk_group$|^n_group$", 2),
     (r"(^|_)(num_)?(local_|routed_)?experts$|^n_routed_experts$|^moe_num_experts$", 4),
@@ -51,6 +52,8 @@ _COMPILED = [(re.compile(pattern), value) for pattern, value in RULES]
 # Lists sized by the layer count; __init__ rebuilds them from the shrunk count.
 _DERIVED_LISTS = re.compile(r"layer_types$|^layers_block_type$|^block_types$|^attn_layer_|_layer_indices$|"
                             r"^mlp_only_layers$|^swa_layers$|^layer_pattern$|^full_attention_idx$")
+# Sizes __init__ derives from other sizes (DeepSeek's qk_head_dim = nope + rope head dims): dropped.
+_DERIVED_SIZES = frozenset({"qk_head_dim"})
 _TOKEN_ID = re.compile(r"token_id$|token_ids$")
 
 
@@ -102,6 +105,12 @@ def shrink_dict(values: Dict[str, Any]) -> Dict[str, Any]:
             out[key] = shrink_dict(value)
         else:
             out[key] = _shrink_value(str(key), value)
+    for key in _DERIVED_SIZES:
+        out.pop(key, None)
+    # Multi-head (or DeepSeek's latent) attention has as many key/value heads as heads: keep it so.
+    heads, kv = values.get("num_attention_heads"), values.get("num_key_value_heads")
+    if isinstance(heads, int) and heads == kv and "num_attention_heads" in out:
+        out["num_key_value_heads"] = out["num_attention_heads"]
     _fix_token_ids(out)
     return out
 
