@@ -159,6 +159,13 @@ def _unloaded_own_tensors(module: Any, model: Any, names: Dict[int, str]) -> Lis
     meta = [n for n, p in module._parameters.items() if p is not None and p.is_meta]
     if not meta or _covering_hook_owner(module, model, names) is not None:
         return []
+    # Only what the forward reads: a tied copy's source left unhooked beside it (BertLMPredictionHead.bias,
+    # which its decoder's hook loads under the decoder's own name) is never read there.
+    forward = inspect.getattr_static(type(module), "forward", None)
+    chains = _chains(forward) if callable(forward) else ()
+    if chains:
+        read = {chain[0] for chain, _ in chains}
+        meta = [n for n in meta if n in read]
     prefix = names.get(id(module), "")
     return [(f"{prefix}.{n}" if prefix else n, module, n) for n in meta]
 

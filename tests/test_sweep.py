@@ -93,3 +93,39 @@ def test_placements_of_real_module_trees():
     assert [k for k, v in alternate.items() if v == "disk"] == ["encoder.block.1", "decoder.block.1"]
     covered = set(first)
     assert all(any(n == k or n.startswith(k + ".") for k in covered) for n, _ in t5.named_parameters())
+
+
+def test_generation_defaults_on_a_4x_config_are_not_shrunk(monkeypatch):
+    """transformers 4.x keeps generate()'s defaults on every config (top_k=50): shrunk to 2 by the MoE rule
+    beside do_sample=False, save_pretrained refused every 4.57 architecture ("GenerationConfig is invalid").
+    A generation default keeps its default value; the same key holding another value (an MoE's top_k)
+    is still shrunk."""
+    transformers = pytest.importorskip("transformers")
+    from metapatch.sweep import shrink
+
+    monkeypatch.setattr(transformers.PretrainedConfig, "_get_global_generation_defaults",
+                        staticmethod(lambda: {"top_k": 50, "num_beams": 1}), raising=False)
+    assert shrink.shrink_dict({"top_k": 50, "hidden_size": 4096})["top_k"] == 50
+    assert shrink.shrink_dict({"top_k": 8})["top_k"] == 2
+    assert shrink.shrink_dict({"text_config": {"top_k": 50, "model_type": "x"}})["text_config"]["top_k"] == 50
+
+
+@pytest.mark.parametrize("class_name, model_type", [("DeepseekV3ForCausalLM", "deepseek_v3"), ("GPTJForCausalLM", "gptj")])
+def test_shrunk_configs_that_used_to_fail_in_memory_build_and_run(class_name, model_type):
+    """DeepSeek-V3 (latent attention: as many key/value heads as heads; qk_head_dim derived from the nope
+    and rope head dims) and GPT-J (rotary_dim above the shrunk head dim) were listed "cannot build" on
+    5.17 and 4.57: their shrunk configs now build and run in memory."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    from transformers import CONFIG_MAPPING
+
+    from metapatch.sweep import shrink
+
+    if not hasattr(transformers, class_name) or model_type not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no {class_name}")
+    config = shrink.tiny_config(CONFIG_MAPPING[model_type])
+    model = getattr(transformers, class_name)(config).eval()
+    assert sum(p.numel() for p in model.parameters()) < 1_000_000
+    with torch.no_grad():
+        logits = model(torch.randint(0, 100, (1, 8))).logits
+    assert logits.shape[:2] == (1, 8) and torch.isfinite(logits).all()

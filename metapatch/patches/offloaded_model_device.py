@@ -30,16 +30,9 @@ from .._records import Patch, Target, Upstream
 PATCH_ID = "offloaded-model-device"
 
 
-def offload_execution_device(model: Any) -> Optional[Any]:
-    """The execution device of the accelerate offload hook that loads ``model``'s first parameter, when
-    that parameter is a meta placeholder; None when no hook fills it (a genuinely meta model)."""
-    hooks_module = sys.modules.get("accelerate.hooks")
-    if hooks_module is None:  # no accelerate imported: nothing can have been dispatched
-        return None
-    first = next(iter(model.named_parameters()), None)
-    if first is None or not first[1].is_meta:
-        return None
-    owner_path = first[0].split(".")[:-1]
+def _hook_execution_device(model: Any, name: str) -> Optional[Any]:
+    """The execution device of the accelerate offload hook that loads parameter ``name``, or None."""
+    owner_path = name.split(".")[:-1]
     # accelerate hooks the module that owns the parameter (attach_align_device_hook) or, with
     # place_submodules, one of its ancestors; the nearest one is the one that loads it.
     for depth in range(len(owner_path), -1, -1):
@@ -51,6 +44,32 @@ def offload_execution_device(model: Any) -> Optional[Any]:
                 import torch
 
                 return torch.device(hook.execution_device)  # an int means an accelerator index, as for .to()
+    return None
+
+
+def offload_execution_device(model: Any) -> Optional[Any]:
+    """The execution device of the accelerate offload hook that loads ``model``'s first parameter, when
+    that parameter is a meta placeholder; None when no hook fills it (a genuinely meta model)."""
+    hooks_module = sys.modules.get("accelerate.hooks")
+    if hooks_module is None:  # no accelerate imported: nothing can have been dispatched
+        return None
+    parameters = model.named_parameters()
+    first = next(parameters, None)
+    if first is None or not first[1].is_meta:
+        return None
+    found = _hook_execution_device(model, first[0])
+    if found is not None or not getattr(model, "hf_device_map", None):
+        return found
+    # A dispatched model whose first parameter no hook loads: a tied copy's source that accelerate
+    # loads under the copy's name (CamembertForCausalLM builds lm_head first; its lm_head.bias is
+    # the source of lm_head.decoder.bias, loaded by the decoder's hook). The inputs go where the
+    # first parameter that has a place is used.
+    for name, param in parameters:
+        if not param.is_meta:
+            return param.device
+        found = _hook_execution_device(model, name)
+        if found is not None:
+            return found
     return None
 
 

@@ -154,15 +154,26 @@ _HELPER_IMPORT = re.compile(r"^\s*(?:from\s+(?:metapatch|\.\.)\s+import\s+(_\w+)
                             re.M)
 
 
+# Inside a shared helper (metapatch/_x.py) a sibling is ``from . import _y`` / ``from ._y import``.
+_SIBLING_IMPORT = re.compile(r"^\s*(?:from\s+(?:metapatch|\.)\s+import\s+(_\w+)|from\s+(?:metapatch\.|\.)(_\w+)\s+import)",
+                             re.M)
+
+
 def _shared_helpers(patch_files: List[Path]) -> List[Path]:
-    """The shared modules (metapatch/_tied_groups.py, _adapter_offload.py, ...) a patch imports: a
-    change there changes the patch's behaviour as much as a change in the patch itself."""
+    """The shared modules (metapatch/_tied_groups.py, _adapter_offload.py, ...) a patch imports, and the
+    shared modules those import (``_tied_groups`` re-exports ``_tied_placement``...): a change there
+    changes the patch's behaviour as much as a change in the patch itself."""
     package = REPO / "metapatch"
-    names = set()
-    for path in patch_files:
-        for match in _HELPER_IMPORT.finditer(path.read_text() if path.is_file() else ""):
-            names.add(match.group(1) or match.group(2))
-    return [package / f"{name}.py" for name in sorted(names) if (package / f"{name}.py").is_file()]
+    names: set = set()
+    pending = [(path, _HELPER_IMPORT) for path in patch_files]
+    while pending:
+        path, pattern = pending.pop()
+        for match in pattern.finditer(path.read_text() if path.is_file() else ""):
+            name = match.group(1) or match.group(2)
+            if name not in names and (package / f"{name}.py").is_file():
+                names.add(name)
+                pending.append((package / f"{name}.py", _SIBLING_IMPORT))
+    return [package / f"{name}.py" for name in sorted(names)]
 
 
 def run_combination(patch_id: str, pins: Mapping[str, str], timeout: float, log=None) -> Dict[str, Any]:

@@ -32,6 +32,7 @@ RULES: List[_Rule] = [
     (r"key_value_heads|kv_heads|num_kv", KV_HEADS),
     (r"(^|_)(num_)?(attention_)?heads$|^n_head$|_attention_heads$|^num_heads$|^n_heads$", HEADS),
     (r"head_dim$|^d_kv$|^kv_channels$|_head_dim$", HEAD_DIM),
+    (r"^rotary_dim$", HEAD_DIM // 2),  # GPT-J, CodeGen: at most the head dim
     (r"(^|_)(lora_rank|kv_lora_rank|q_lora_rank)$", 16),
     (r"experts_per_tok$|^top_k$|^moe_topk$|^num_selected_experts$|^topk_group$|^n_group$", 2),
     (r"(^|_)(num_)?(local_|routed_)?experts$|^n_routed_experts$|^moe_num_experts$", 4),
@@ -51,6 +52,8 @@ _COMPILED = [(re.compile(pattern), value) for pattern, value in RULES]
 # Lists sized by the layer count; __init__ rebuilds them from the shrunk count.
 _DERIVED_LISTS = re.compile(r"layer_types$|^layers_block_type$|^block_types$|^attn_layer_|_layer_indices$|"
                             r"^mlp_only_layers$|^swa_layers$|^layer_pattern$|^full_attention_idx$")
+# Sizes __init__ derives from other sizes (DeepSeek's qk_head_dim = nope + rope head dims): dropped.
+_DERIVED_SIZES = frozenset({"qk_head_dim"})
 _TOKEN_ID = re.compile(r"token_id$|token_ids$")
 
 
@@ -79,15 +82,35 @@ def _fix_token_ids(values: Dict[str, Any]) -> None:
             values[key] = [v if not isinstance(v, int) or v < vocab else vocab - 1 - i for i, v in enumerate(value)]
 
 
+def _generation_defaults() -> Dict[str, Any]:
+    """generate()'s defaults that transformers 4.x keeps on every config (``top_k=50``...): they size
+    nothing, and ``top_k`` shrunk to 2 beside ``do_sample=False`` makes save_pretrained refuse the
+    model's generation config."""
+    from transformers import PretrainedConfig
+
+    getter = getattr(PretrainedConfig, "_get_global_generation_defaults", None)
+    return dict(getter()) if callable(getter) else {}
+
+
 def shrink_dict(values: Dict[str, Any]) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
+    generation = _generation_defaults()
     for key, value in values.items():
+        if key in generation and value == generation[key]:
+            out[key] = value
+            continue
         if isinstance(value, (list, tuple, dict)) and (_DERIVED_LISTS.search(str(key)) or "layer" in str(key)):
             continue  # sized or keyed by the layer count (layer_types, per_layer_config): __init__ derives it again
         if isinstance(value, dict) and ("model_type" in value or str(key).endswith("config") or key in ("encoder", "decoder")):
             out[key] = shrink_dict(value)
         else:
             out[key] = _shrink_value(str(key), value)
+    for key in _DERIVED_SIZES:
+        out.pop(key, None)
+    # Multi-head (or DeepSeek's latent) attention has as many key/value heads as heads: keep it so.
+    heads, kv = values.get("num_attention_heads"), values.get("num_key_value_heads")
+    if isinstance(heads, int) and heads == kv and "num_attention_heads" in out:
+        out["num_key_value_heads"] = out["num_attention_heads"]
     _fix_token_ids(out)
     return out
 
