@@ -110,11 +110,14 @@ def test_generation_defaults_on_a_4x_config_are_not_shrunk(monkeypatch):
     assert shrink.shrink_dict({"text_config": {"top_k": 50, "model_type": "x"}})["text_config"]["top_k"] == 50
 
 
-@pytest.mark.parametrize("class_name, model_type", [("DeepseekV3ForCausalLM", "deepseek_v3"), ("GPTJForCausalLM", "gptj")])
+@pytest.mark.parametrize("class_name, model_type", [("DeepseekV3ForCausalLM", "deepseek_v3"), ("GPTJForCausalLM", "gptj"),
+                                                       ("Gemma4ForCausalLM", "gemma4_text")])
 def test_shrunk_configs_that_used_to_fail_in_memory_build_and_run(class_name, model_type):
     """DeepSeek-V3 (latent attention: as many key/value heads as heads; qk_head_dim derived from the nope
     and rope head dims) and GPT-J (rotary_dim above the shrunk head dim) were listed "cannot build" on
-    5.17 and 4.57: their shrunk configs now build and run in memory."""
+    5.17 and 4.57, Gemma 4 on 5.24 (its per-layer embedding's vocab_size_per_layer_input shrunk to 8, the
+    size of hidden_size_per_layer_input: token ids past 8 indexed out of range): their shrunk configs now
+    build and run in memory."""
     transformers = pytest.importorskip("transformers")
     torch = pytest.importorskip("torch")
     from transformers import CONFIG_MAPPING

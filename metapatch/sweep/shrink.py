@@ -27,7 +27,7 @@ VOCAB = 256
 # smaller than the rule's is kept (a 2-expert config stays 2 experts).
 _Rule = Tuple[str, Any]
 RULES: List[_Rule] = [
-    (r"per_layer_input$", 8),
+    (r"^hidden_size_per_layer_input$", 8),  # not vocab_size_per_layer_input: that one indexes by token id
     (r"vocab_size", VOCAB),
     (r"key_value_heads|kv_heads|num_kv", KV_HEADS),
     (r"(^|_)(num_)?(attention_)?heads$|^n_head$|_attention_heads$|^num_heads$|^n_heads$", HEADS),
