@@ -1,14 +1,18 @@
 """Benchmark for bnb-cpu-repack-copy (not part of the test suite): the CPU repack cost of 4-bit layers.
 
 On a CPU with AVX512-BF16, bitsandbytes repacks a 4-bit weight for its fused kernel. Measured in
-one run, interleaved (one forward of each per round; ratios of medians over the rounds):
-* forward time of the dispatched 4-bit model (decoder layers 1 and 2 on disk, CPU main device)
-  against the same model in memory (goal: <= 1.5, the disk read included);
-* where that time goes in the dispatched forward: repacks (count and time) and accelerate's disk
-  reads of offloaded weights;
+one run, interleaved (one forward of each model per round; medians over the rounds, with min-max):
+* forward time of the model with decoder layers 1 and 2 offloaded, against the same model in
+  memory (goal: <= 1.5, the disk read included), for: disk offload (``dispatch_model``, CPU main
+  device; the weight is put into the CPU layout at every forward by metapatch's byte layout), the
+  same with bitsandbytes' own repack at every forward ("disk-bnb"), and cpu offload
+  (``accelerate.cpu_offload`` of those layers: the repacked copy is kept per offload source);
+* where the time goes in each forward: repacks (count and time), accelerate's reads of offloaded
+  weights, bitsandbytes' fused 4-bit kernel (``gemv_4bit``, any number of tokens), and the rest
+  (hooks, attention, norms);
 * memory: bytes the repacked copies hold in RAM (in memory: one per 4-bit layer; cpu-offloaded: one
-  per layer; disk-offloaded layers keep none and are repacked at every forward) and on disk (none:
-  metapatch writes nothing into the offload folder).
+  per layer; disk-offloaded: the packed quant state only) and on disk (none: metapatch writes
+  nothing into the offload folder).
 
 Run it once as shipped and once with ``METAPATCH_DISABLE=bnb-cpu-repack-copy`` (upstream's in-place
 repack: every offloaded layer is repacked at every forward).
@@ -73,6 +77,24 @@ def profiled() -> Iterator[Dict[str, float]]:
             fast._permuted = originals[3]
 
 
+@contextlib.contextmanager
+def bitsandbytes_repack(active: bool) -> Iterator[None]:
+    """With ``active``: disk-offloaded weights repacked by bitsandbytes' own conversion (no byte layout)."""
+    try:
+        from metapatch import _bnb_fast_repack as fast
+    except ImportError:
+        fast = None
+    if not active or fast is None:
+        yield
+        return
+    original = fast.packed_weight
+    fast.packed_weight = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        fast.packed_weight = original
+
+
 def forward_seconds(model: Any, ids: Any) -> float:
     import torch
 
@@ -132,17 +154,21 @@ def main() -> None:
         in_memory = scenario.load_quantized(work / "base", config)
         models = {"disk": scenario.dispatch(scenario.load_quantized(work / "base", config),
                                             work / f"{quant_type}-{double_quant}"),
+                  # the same disk offload with bitsandbytes' own repack at every forward (no byte layout)
+                  "disk-bnb": scenario.dispatch(scenario.load_quantized(work / "base", config),
+                                                work / f"{quant_type}-{double_quant}-bnb"),
                   "cpu": scenario.load_quantized(work / "base", config)}
         for i in scenario.OFFLOADED_LAYERS:  # the same layers offloaded to CPU RAM (accelerate.cpu_offload)
             accelerate.cpu_offload(models["cpu"].model.layers[i], execution_device=torch.device("cpu"))
-        for model in (in_memory, *models.values()):
-            forward_seconds(model, ids)  # warm-up: first repacks
-        times = {"in-memory": [], "disk": [], "cpu": []}
+        for kind, model in (("in-memory", in_memory), *models.items()):
+            with bitsandbytes_repack(kind == "disk-bnb"):
+                forward_seconds(model, ids), forward_seconds(model, ids)  # warm-up: first repacks, proofs
+        times = {"in-memory": [], "disk": [], "disk-bnb": [], "cpu": []}
         profiles = {}
         for _ in range(args.repeats):  # interleaved: one forward of each per round
-            for kind in ("disk", "cpu", "in-memory"):
+            for kind in ("disk", "disk-bnb", "cpu", "in-memory"):
                 model = in_memory if kind == "in-memory" else models[kind]
-                with profiled() as totals:
+                with bitsandbytes_repack(kind == "disk-bnb"), profiled() as totals:
                     times[kind].append(forward_seconds(model, ids))
                 for k, v in totals.items():
                     profiles.setdefault(kind, {}).setdefault(k, 0)
@@ -154,10 +180,10 @@ def main() -> None:
         print(f"{quant_type}{' dq' if double_quant else ''}: 4-bit weights of layers 1-2: {weights} bytes; "
               f"in-memory forward {mem * 1e3:.1f} ms ({min(times['in-memory']) * 1e3:.1f}-"
               f"{max(times['in-memory']) * 1e3:.1f})")
-        for kind in ("disk", "cpu", "in-memory"):
+        for kind in ("disk", "disk-bnb", "cpu", "in-memory"):
             p = {k: v / n for k, v in profiles[kind].items()}
             med = statistics.median(times[kind])
-            print(f"  {kind:<9} fwd {med * 1e3:6.1f} ms ({min(times[kind]) * 1e3:.1f}-{max(times[kind]) * 1e3:.1f}) "
+            print(f"  {kind:<10} fwd {med * 1e3:6.1f} ms ({min(times[kind]) * 1e3:.1f}-{max(times[kind]) * 1e3:.1f}) "
                   f"ratio {med / mem:.2f}; per forward: {p['repacks']:.1f} repacks {p['repack_s'] * 1e3:.1f} ms, "
                   f"{p['disk_reads']:.1f} offload reads {p['disk_read_s'] * 1e3:.1f} ms, "
                   f"{p['gemvs']:.1f} 4-bit kernels {p['gemv_s'] * 1e3:.1f} ms, rest "

@@ -21,7 +21,7 @@ import copy
 from typing import Any, Callable, Dict, Optional, Tuple
 
 BLOCK_N = 32  # bitsandbytes' default block_n for the CPU layout
-_PROVEN: Dict[Tuple[int, int], bool] = {}
+_PROVEN: Dict[Tuple[int, int, int], bool] = {}
 
 
 def _permuted(data: Any, rows: int, cols: int) -> Any:
@@ -36,11 +36,13 @@ def _permuted(data: Any, rows: int, cols: int) -> Any:
     return torch.stack((even, odd), dim=-1).transpose(1, 2).reshape(rows, cols // 2)
 
 
-def _prove(rows: int, cols: int, convert: Callable[[Any, Any], Tuple[Any, Any]]) -> bool:
+def _prove(rows: int, cols: int, blocksize: int, convert: Callable[[Any, Any], Tuple[Any, Any]]) -> bool:
     import torch
-    from bitsandbytes.functional import quantize_4bit
+    from bitsandbytes.functional import QuantState
 
-    _, state = quantize_4bit(torch.zeros(rows, cols, dtype=torch.bfloat16), quant_type="nf4", blocksize=64)
+    # A quant state built directly (no quantizer call: the offload patches count those at reloads).
+    state = QuantState(absmax=torch.ones((rows * cols) // blocksize), shape=torch.Size((rows, cols)),
+                       blocksize=blocksize, quant_type="nf4", dtype=torch.bfloat16)
     position = torch.arange(rows * cols, dtype=torch.int64)
     digit = 0
     while digit == 0 or (rows * cols - 1) >> (4 * digit):
@@ -65,7 +67,10 @@ def packed_weight(data: Any, packed_state: Any, convert: Callable[[Any, Any], Tu
     rows, cols = int(shape[0]), int(shape[1])
     if rows % BLOCK_N or cols % 2 or data.numel() * data.element_size() * 2 != rows * cols:
         return None
-    proven = _PROVEN.get((rows, cols))
+    blocksize = int(getattr(packed_state, "blocksize", 0) or 0)
+    if blocksize <= 0 or cols % blocksize:
+        return None
+    proven = _PROVEN.get((rows, cols, blocksize))
     if proven is None:
-        proven = _PROVEN[(rows, cols)] = _prove(rows, cols, convert)
+        proven = _PROVEN[(rows, cols, blocksize)] = _prove(rows, cols, blocksize, convert)
     return _permuted(data.contiguous(), rows, cols) if proven else None

@@ -32,6 +32,18 @@ def test_byte_layout_is_bitsandbytes_layout(shape, quant):
     assert got is not None and got.dtype == want.dtype and torch.equal(got, want)
 
 
+def test_the_proof_calls_no_quantizer():
+    """bnb-quant-state-offload's scenarios count quantizer calls at reloads (there must be none)."""
+    from metapatch.selftest import bnb_offload as scenario
+
+    weight, state = F.quantize_4bit(torch.randn(192, 128, dtype=torch.bfloat16), quant_type="nf4", blocksize=64)
+    _, packed_state = F._convert_weight_packed_for_cpu(weight.clone(), copy.deepcopy(state))
+    fast._PROVEN.pop((192, 128, 64), None)
+    with scenario.counting_quantize_calls() as counts:
+        assert fast.packed_weight(weight, packed_state, F._convert_weight_packed_for_cpu) is not None
+    assert not any(counts.values()), counts
+
+
 def test_a_different_layout_is_not_used():
     """A conversion whose permutation differs (here: rows reversed) fails the proof for its shape."""
     def other(qweight, state):
@@ -40,11 +52,11 @@ def test_a_different_layout_is_not_used():
 
     weight, state = F.quantize_4bit(torch.randn(160, 64, dtype=torch.bfloat16), quant_type="nf4", blocksize=64)
     _, packed_state = F._convert_weight_packed_for_cpu(weight.clone(), copy.deepcopy(state))
-    fast._PROVEN.pop((160, 64), None)
+    fast._PROVEN.pop((160, 64, 64), None)
     try:
         assert fast.packed_weight(weight, packed_state, other) is None
     finally:
-        fast._PROVEN.pop((160, 64), None)
+        fast._PROVEN.pop((160, 64, 64), None)
 
 
 def test_disk_offloaded_forwards_equal_in_memory(tmp_path):
