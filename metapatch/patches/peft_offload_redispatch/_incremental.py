@@ -100,7 +100,9 @@ def apply(model: Any, base: Any, current: Dict[str, Any], device_map: Dict[str, 
     plans = []
     for key, members in moving.items():
         module, sub = modules.get(key), _sub_map(key, device_map)
+        # accelerate hooks modules: a key naming a tensor (a split tied group) is left to the full path
         if module is None or module is model or module is base or sub is None \
+                or any(k not in modules for k in sub) \
                 or any(id(tensor) in shared for _, tensor, _ in members):
             return False
         plans.append((key, module, sub, members))
