@@ -1,14 +1,18 @@
 """Benchmark for bnb-cpu-repack-copy (not part of the test suite): the CPU repack cost of 4-bit layers.
 
 On a CPU with AVX512-BF16, bitsandbytes repacks a 4-bit weight for its fused kernel. Measured in
-one run, interleaved (one forward of each per round; ratios of medians over the rounds):
-* forward time of the dispatched 4-bit model (decoder layers 1 and 2 on disk, CPU main device)
-  against the same model in memory (goal: <= 1.5, the disk read included);
-* where that time goes in the dispatched forward: repacks (count and time) and accelerate's disk
-  reads of offloaded weights;
+one run, interleaved (one forward of each model per round; medians over the rounds, with min-max):
+* forward time of the model with decoder layers 1 and 2 offloaded, against the same model in
+  memory (goal: <= 1.5, the disk read included), for: disk offload (``dispatch_model``, CPU main
+  device; the weight is put into the CPU layout at every forward by metapatch's byte layout), the
+  same with bitsandbytes' own repack at every forward ("disk-bnb"), and cpu offload
+  (``accelerate.cpu_offload`` of those layers: the repacked copy is kept per offload source);
+* where the time goes in each forward: repacks (count and time), accelerate's reads of offloaded
+  weights, bitsandbytes' fused 4-bit kernel (``gemv_4bit``, any number of tokens), and the rest
+  (hooks, attention, norms);
 * memory: bytes the repacked copies hold in RAM (in memory: one per 4-bit layer; cpu-offloaded: one
-  per layer; disk-offloaded layers keep none and are repacked at every forward) and on disk (none:
-  metapatch writes nothing into the offload folder).
+  per layer; disk-offloaded: the packed quant state only) and on disk (none: metapatch writes
+  nothing into the offload folder).
 
 Run it once as shipped and once with ``METAPATCH_DISABLE=bnb-cpu-repack-copy`` (upstream's in-place
 repack: every offloaded layer is repacked at every forward).
@@ -38,8 +42,10 @@ def profiled() -> Iterator[Dict[str, float]]:
     import bitsandbytes.functional as F
     import bitsandbytes.nn.modules as M
 
-    totals = {"repack_s": 0.0, "repacks": 0, "disk_read_s": 0.0, "disk_reads": 0}
-    originals = (F._convert_weight_packed_for_cpu, offload.load_offloaded_weight)
+    import bitsandbytes.autograd._functions as AF
+
+    totals = {"repack_s": 0.0, "repacks": 0, "disk_read_s": 0.0, "disk_reads": 0, "gemv_s": 0.0, "gemvs": 0}
+    originals = (F._convert_weight_packed_for_cpu, offload.load_offloaded_weight, AF.F.gemv_4bit)
 
     def timed(function: Any, seconds: str, calls: str) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -53,11 +59,40 @@ def profiled() -> Iterator[Dict[str, float]]:
 
     F._convert_weight_packed_for_cpu = M._convert_weight_packed_for_cpu = timed(originals[0], "repack_s", "repacks")
     offload.load_offloaded_weight = timed(originals[1], "disk_read_s", "disk_reads")
+    F.gemv_4bit = timed(originals[2], "gemv_s", "gemvs")  # the fused CPU kernel on repacked weights
+    try:
+        from metapatch import _bnb_fast_repack as fast
+    except ImportError:  # an older metapatch
+        fast = None
+    if fast is not None:  # the byte-level repack of disk-offloaded weights counts as a repack
+        originals = originals + (fast._permuted,)
+        fast._permuted = timed(originals[3], "repack_s", "repacks")
     try:
         yield totals
     finally:
         F._convert_weight_packed_for_cpu = M._convert_weight_packed_for_cpu = originals[0]
         offload.load_offloaded_weight = originals[1]
+        F.gemv_4bit = originals[2]
+        if fast is not None:
+            fast._permuted = originals[3]
+
+
+@contextlib.contextmanager
+def bitsandbytes_repack(active: bool) -> Iterator[None]:
+    """With ``active``: disk-offloaded weights repacked by bitsandbytes' own conversion (no byte layout)."""
+    try:
+        from metapatch import _bnb_fast_repack as fast
+    except ImportError:
+        fast = None
+    if not active or fast is None:
+        yield
+        return
+    original = fast.packed_weight
+    fast.packed_weight = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        fast.packed_weight = original
 
 
 def forward_seconds(model: Any, ids: Any) -> float:
@@ -83,7 +118,7 @@ def repack_memory(models: Dict[str, Any], work: Path) -> Dict[str, int]:
             cached = module.__dict__.get(patch.OFFLOAD_CACHE)
             if cached is not None:
                 mapped = f"{cached[0][1]}.metapatch-cpu-packed.dat" in files
-                offloaded_ram += cached[2].absmax.nbytes + (0 if mapped else cached[1].nbytes)
+                offloaded_ram += cached[2].absmax.nbytes + (0 if mapped or cached[1] is None else cached[1].nbytes)
     return {"in_memory_layers_ram": in_memory, "offloaded_layers_ram": offloaded_ram,
             "offload_folder_files": sum(files.values())}
 
@@ -108,29 +143,53 @@ def main() -> None:
     print(f"bnb-cpu-repack-copy: {state}; CPU repack path: {bool(F.has_avx512bf16())}")
     print(f"model: Llama hidden={args.hidden}, {scenario.NUM_LAYERS} layers, layers "
           f"{list(scenario.OFFLOADED_LAYERS)} on disk, CPU main, {args.tokens} tokens, {args.repeats} rounds")
+    import os
+
+    import accelerate
+    import torch
+
+    print("load average (1/5/15 min) at the start: %.1f/%.1f/%.1f" % os.getloadavg())
     for quant_type, double_quant in (("nf4", True), ("fp4", False)):
         config = scenario.quant_config(quant_type, double_quant, "bfloat16")
         in_memory = scenario.load_quantized(work / "base", config)
-        dispatched = scenario.dispatch(scenario.load_quantized(work / "base", config),
-                                       work / f"{quant_type}-{double_quant}")
-        forward_seconds(in_memory, ids), forward_seconds(dispatched, ids)  # warm-up: first repacks
-        disp, mem = [], []
-        with profiled() as totals:
-            for _ in range(args.repeats):
-                disp.append(forward_seconds(dispatched, ids))
-                with profiled() as ignored:  # the in-memory model's share kept out of the totals
-                    mem.append(forward_seconds(in_memory, ids))
-                totals["repack_s"] -= ignored["repack_s"]
-                totals["repacks"] -= ignored["repacks"]
-        memory = repack_memory({"in_memory": in_memory, "dispatched": dispatched}, work) if state == "applied" else {}
+        models = {"disk": scenario.dispatch(scenario.load_quantized(work / "base", config),
+                                            work / f"{quant_type}-{double_quant}"),
+                  # the same disk offload with bitsandbytes' own repack at every forward (no byte layout)
+                  "disk-bnb": scenario.dispatch(scenario.load_quantized(work / "base", config),
+                                                work / f"{quant_type}-{double_quant}-bnb"),
+                  "cpu": scenario.load_quantized(work / "base", config)}
+        for i in scenario.OFFLOADED_LAYERS:  # the same layers offloaded to CPU RAM (accelerate.cpu_offload)
+            accelerate.cpu_offload(models["cpu"].model.layers[i], execution_device=torch.device("cpu"))
+        for kind, model in (("in-memory", in_memory), *models.items()):
+            with bitsandbytes_repack(kind == "disk-bnb"):
+                forward_seconds(model, ids), forward_seconds(model, ids)  # warm-up: first repacks, proofs
+        times = {"in-memory": [], "disk": [], "disk-bnb": [], "cpu": []}
+        profiles = {}
+        for _ in range(args.repeats):  # interleaved: one forward of each per round
+            for kind in ("disk", "disk-bnb", "cpu", "in-memory"):
+                model = in_memory if kind == "in-memory" else models[kind]
+                with bitsandbytes_repack(kind == "disk-bnb"), profiled() as totals:
+                    times[kind].append(forward_seconds(model, ids))
+                for k, v in totals.items():
+                    profiles.setdefault(kind, {}).setdefault(k, 0)
+                    profiles[kind][k] += v
+        memory = repack_memory({"in_memory": in_memory, **models}, work) if state == "applied" else {}
         n = args.repeats
         weights = sum(m.weight.data.nbytes for _, m in scenario.offloaded_linears(in_memory))
-        print(f"{quant_type}{' dq' if double_quant else ''}: 4-bit weights of layers 1-2: {weights} bytes; fwd dispatched/in-memory "
-              f"{statistics.median(disp) / statistics.median(mem):.2f} (medians {statistics.median(disp) * 1e3:.1f} / "
-              f"{statistics.median(mem) * 1e3:.1f} ms); per dispatched forward: {totals['repacks'] / n:.1f} repacks "
-              f"{totals['repack_s'] / n * 1e3:.1f} ms, {totals['disk_reads'] / n:.1f} disk reads "
-              f"{totals['disk_read_s'] / n * 1e3:.1f} ms; repacked copies: {memory}")
-
+        mem = statistics.median(times["in-memory"])
+        print(f"{quant_type}{' dq' if double_quant else ''}: 4-bit weights of layers 1-2: {weights} bytes; "
+              f"in-memory forward {mem * 1e3:.1f} ms ({min(times['in-memory']) * 1e3:.1f}-"
+              f"{max(times['in-memory']) * 1e3:.1f})")
+        for kind in ("disk", "disk-bnb", "cpu", "in-memory"):
+            p = {k: v / n for k, v in profiles[kind].items()}
+            med = statistics.median(times[kind])
+            print(f"  {kind:<10} fwd {med * 1e3:6.1f} ms ({min(times[kind]) * 1e3:.1f}-{max(times[kind]) * 1e3:.1f}) "
+                  f"ratio {med / mem:.2f}; per forward: {p['repacks']:.1f} repacks {p['repack_s'] * 1e3:.1f} ms, "
+                  f"{p['disk_reads']:.1f} offload reads {p['disk_read_s'] * 1e3:.1f} ms, "
+                  f"{p['gemvs']:.1f} 4-bit kernels {p['gemv_s'] * 1e3:.1f} ms, rest "
+                  f"{(med - p['repack_s'] - p['disk_read_s'] - p['gemv_s']) * 1e3:.1f} ms")
+        print(f"  repacked copies: {memory}")
+    print("load average (1/5/15 min) at the end: %.1f/%.1f/%.1f" % os.getloadavg())
 
 if __name__ == "__main__":
     main()

@@ -8,9 +8,14 @@ decoder layers on disk, and reports the ratio of the medians with the spread (mi
 * ``PeftModel.from_pretrained(base, adapter)``
 * ``PeftModel.from_pretrained(base, adapter, offload_dir=DIR)`` (what peft's own error message asks for)
 * ``PeftModel.from_pretrained(base, adapter, is_trainable=True)``
-* ``PeftModel.from_pretrained(base, adapter, device_map="auto", offload_dir=DIR)`` (a second placement asked for)
+* ``PeftModel.from_pretrained(base, adapter, device_map="auto", offload_dir=DIR)`` (a second placement asked for:
+  on a CPU-only machine where the model fits in memory, "auto" puts every layer in memory, so the disk
+  layers move and the others keep their hooks)
+* ``PeftModel.from_pretrained(base, adapter, device_map=<the base's map>, offload_dir=DIR)`` (a placement
+  equal to the base's: the base keeps its dispatch)
 * ``PeftModel.from_pretrained(base, adapter)`` then ``.load_adapter(adapter2, "second")`` (several adapters)
-* transformers' ``base.load_adapter(adapter)``
+* transformers' ``base.load_adapter(adapter)`` and ``base.load_adapter(adapter, device_map="auto")``
+  (transformers 5 reads ``device_map`` there as the adapter's loading map, not a new placement)
 
 Goal (issue 26): <= 1.20 in every row. Rounds are interleaved row by row and side by side, after one
 untimed warm-up of each row; every base is loaded (and its offload folder flushed) before timing.
@@ -52,7 +57,7 @@ def _seconds(call: Callable[[], object]) -> float:
         gc.enable()
 
 
-def _rows(adapter: Path, second: Path, work: Path) -> List[Tuple[str, Callable]]:
+def _rows(adapter: Path, second: Path, work: Path, base_map: Dict[str, str]) -> List[Tuple[str, Callable]]:
     from peft import PeftModel
 
     def two_adapters(base):
@@ -66,8 +71,12 @@ def _rows(adapter: Path, second: Path, work: Path) -> List[Tuple[str, Callable]]
         ("... is_trainable=True", lambda base: PeftModel.from_pretrained(base, adapter, is_trainable=True)),
         ('... device_map="auto", offload_dir=DIR', lambda base: PeftModel.from_pretrained(
             base, adapter, device_map="auto", offload_dir=str(work / "peft-offload-auto"))),
+        ("... device_map=<base's map>, offload_dir=DIR", lambda base: PeftModel.from_pretrained(
+            base, adapter, device_map=dict(base_map), offload_dir=str(work / "peft-offload-same"))),
         ("... then .load_adapter(adapter2)", two_adapters),
         ("transformers base.load_adapter(adapter)", lambda base: base.load_adapter(str(adapter))),
+        ('... base.load_adapter(adapter, device_map="auto")',
+         lambda base: base.load_adapter(str(adapter), device_map="auto")),
     ]
 
 
@@ -89,7 +98,7 @@ def main() -> None:
     adapter = save_adapter("llama", checkpoint, work / "adapter", seed=3)
     second = save_adapter("llama", checkpoint, work / "adapter2", seed=4)
     device_map = _device_map(args.layers)
-    rows = _rows(adapter, second, work)
+    rows = _rows(adapter, second, work, device_map)
     folders = iter(range(10 ** 6))
 
     def bases(count: int):
@@ -100,6 +109,7 @@ def main() -> None:
         os.sync()
         return made
 
+    load_before = os.getloadavg()
     for _, call in rows:  # warm-up: lazy imports and first-call set-up off the clock
         for base in bases(1)[0]:
             call(base)
@@ -112,7 +122,9 @@ def main() -> None:
 
     print(f"model: Llama hidden={args.hidden}, {args.layers} layers (every second one on disk), non-zero LoRA r=4 "
           f"on q/v/o/down_proj; {args.rounds} interleaved rounds per row, medians (min-max)")
-    print(f"{'call':<44}{'in-memory base':>22}{'offloaded base':>22}{'ratio':>7}")
+    print("load average (1/5/15 min) at the start: %.1f/%.1f/%.1f, at the end: %.1f/%.1f/%.1f"
+          % (load_before + os.getloadavg()))
+    print(f"{'call':<50}{'in-memory base':>22}{'offloaded base':>22}{'ratio':>7}")
     for name, _ in rows:
         sides = times[name]
         cells = []
@@ -120,7 +132,7 @@ def main() -> None:
             values = sides[side]
             cells.append(f"{statistics.median(values) * 1e3:.1f} ({min(values) * 1e3:.0f}-{max(values) * 1e3:.0f}) ms")
         ratio = statistics.median(sides["offloaded"]) / statistics.median(sides["in-memory"])
-        print(f"{name:<44}{cells[0]:>22}{cells[1]:>22}{ratio:>7.2f}")
+        print(f"{name:<50}{cells[0]:>22}{cells[1]:>22}{ratio:>7.2f}")
 
 
 if __name__ == "__main__":

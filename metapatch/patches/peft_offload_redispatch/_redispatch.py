@@ -11,6 +11,7 @@ from metapatch._records import MetapatchError
 from ..accelerate_dispatch_skip_keys import model_skip_keys
 from metapatch._adapter_offload import follow_base_layer_hooks
 
+from . import _incremental
 from ._placement import base_model_of, _main_device, _placement_of, new_placement
 from ._sources import OffloadedTensors, _sources_by_name, _value
 
@@ -65,16 +66,20 @@ def _named_tensors(model: Any) -> Iterator[Tuple[str, Any, bool]]:
 
 
 def _place_tensors(model: Any, device_map: Dict[str, Any], sources: Dict[str, Any], offloaded_devices: set,
-                   offload_dir: Optional[str]) -> OffloadedTensors:
-    """Decide where every tensor's value comes from under the new map: offloaded ones are served by
+                   offload_dir: Optional[str], tensors: Optional[list] = None) -> OffloadedTensors:
+    """Decide where every tensor's value comes from under the new map (or only ``tensors``'s:
+    (name, tensor, whether it is an adapter's) of the entries that move): offloaded ones are served by
     the returned mapping (their old source, or their current value), in-memory ones are read back
     from their offload source when they are on meta. Only tensors newly sent to disk with an
     ``offload_dir`` are written, there."""
     from accelerate.utils import named_module_tensors, set_module_tensor_to_device
 
     weights, new_disk, kept_in_memory = OffloadedTensors(), {}, []
-    adapters = _adapter_tensor_names(model)
-    for name, tensor in named_module_tensors(model, include_buffers=True, recurse=True):
+    if tensors is None:
+        adapters = _adapter_tensor_names(model)
+        tensors = [(name, tensor, name in adapters)
+                   for name, tensor in named_module_tensors(model, include_buffers=True, recurse=True)]
+    for name, tensor, is_adapter in tensors:
         where = _placement_of(name, device_map)
         if tensor.device.type == "meta" and name not in sources:
             raise MetapatchError(f"metapatch (peft-offload-redispatch): {name} is on meta and no offload hook knows "
@@ -88,7 +93,7 @@ def _place_tensors(model: Any, device_map: Dict[str, Any], sources: Dict[str, An
             new_disk[name] = tensor
         else:
             weights.add_tensor(name, tensor.detach())
-            if str(where) == "disk" and name not in adapters:
+            if str(where) == "disk" and not is_adapter:
                 kept_in_memory.append(name)
     if new_disk:
         _write_new_disk_tensors(new_disk, offload_dir, weights)
@@ -113,10 +118,17 @@ def redispatch(model: Any, captured: Dict[int, Tuple[Any, Dict[str, Any]]], opti
     sources = _sources_by_name(model, captured)
     # offload_dir alone asks for no placement: it names where tensors newly sent to disk would go,
     # and keeping the base's dispatch sends none there (peft's own error message tells users to pass it).
-    if not (set(options) - _NOT_A_PLACEMENT) and _keep_current_dispatch(model, base, sources):
+    asked = bool(set(options) - _NOT_A_PLACEMENT)
+    current = _served_placement(model, base, sources)
+    if current is not None and not asked:
+        model.hf_device_map = current  # the adapters already follow their layers' hooks (inject_adapter)
+        return
+    device_map = new_placement(model, base, options)
+    # A placement asked for (device_map="auto", max_memory, ...): where it equals the current one
+    # nothing moves; elsewhere only the entries whose tensors move are re-hooked.
+    if current is not None and _incremental.apply(model, base, current, device_map, sources, options):
         return
     _remove_hooks(model)
-    device_map = new_placement(model, base, options)
     main = _main_device(device_map)
     offloaded_devices = {"disk"} if str(main) in ("cpu", "mps") else {"cpu", "disk"}  # as dispatch_model decides
     weights = _place_tensors(model, device_map, sources, offloaded_devices, options.get("offload_dir"))
@@ -140,14 +152,14 @@ def redispatch(model: Any, captured: Dict[int, Tuple[Any, Dict[str, Any]]], opti
     follow_base_layer_hooks(model)
 
 
-def _keep_current_dispatch(model: Any, base: Any, sources: Dict[str, Any]) -> bool:
-    """No placement was asked for, and the base's hooks already serve the model as it now is: every
-    meta tensor is one an offload hook reads, every other tensor sits where the (re-keyed) map puts
-    it, or is an adapter tensor following its offloaded base layer. Then the dispatch is kept as it
-    is (no hook removed and re-attached, no weights map rebuilt: most of the cost of adding an
-    adapter to an offloaded base) and only the wrapper's ``hf_device_map`` is recorded, as
-    ``dispatch_model`` would. Anything else (a tensor outside the base on another device, a meta
-    tensor no hook knows) takes the full re-dispatch."""
+def _served_placement(model: Any, base: Any, sources: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """The current placement (the base's map re-keyed for the wrapper) where the base's hooks
+    already serve the model as it now is: every meta tensor is one an offload hook reads, every other
+    tensor sits where that map puts it, or is an adapter tensor following its offloaded base layer.
+    Then the dispatch can be kept as it is (no hook removed and re-attached, no weights map rebuilt:
+    most of the cost of adding an adapter to an offloaded base), or changed only where a new
+    placement differs. None for anything else (a tensor outside the base on another device, a meta
+    tensor no hook knows): the full re-dispatch."""
     from metapatch._tied_groups import entry_of
 
     device_map = new_placement(model, base, {})
@@ -159,14 +171,13 @@ def _keep_current_dispatch(model: Any, base: Any, sources: Dict[str, Any]) -> bo
         if str(where) in offloaded_devices:
             if tensor.device.type == "meta":
                 if name not in sources:
-                    return False
+                    return None
                 continue
             if not is_adapter or not _same_device(tensor.device, main):
-                return False
+                return None
         elif not _same_device(tensor.device, where):
-            return False
-    model.hf_device_map = device_map  # the adapters already follow their layers' hooks (inject_adapter)
-    return True
+            return None
+    return device_map
 
 
 def _same_device(device: Any, placement: Any) -> bool:
