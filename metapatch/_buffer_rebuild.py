@@ -57,26 +57,58 @@ def unset(pending: List[Pending]) -> List[Pending]:
 
 @contextlib.contextmanager
 def capture_constructors() -> Iterator[None]:
-    """Record every module's constructor arguments while active (``nn.Module.__new__`` receives them)."""
+    """Record each module's constructor arguments while active. ``nn.Module.__init__`` (which every
+    module calls through ``super().__init__()``) reads them from the frame of the module's own
+    ``__init__``, the outermost frame of the chain working on that object. (``nn.Module.__new__`` would
+    see them directly, but CPython cannot take a ``__new__`` off a class again once set.)"""
     import torch
 
     module_cls = torch.nn.Module
     _capture_depth[0] += 1
     if _capture_depth[0] == 1:
-        def __new__(cls: Any, *args: Any, **kwargs: Any) -> Any:
-            obj = object.__new__(cls)
-            try:
-                CONSTRUCTED[obj] = (args, dict(kwargs))
-            except TypeError:  # not weak-referenceable: simply not captured
-                pass
-            return obj
-        module_cls.__new__ = __new__
+        original = module_cls.__init__
+
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            original(self, *args, **kwargs)
+            _capture(self)
+
+        __init__.__wrapped__ = original  # type: ignore[attr-defined]
+        module_cls.__init__ = __init__
     try:
         yield
     finally:
         _capture_depth[0] -= 1
         if _capture_depth[0] == 0:
-            del module_cls.__new__
+            module_cls.__init__ = module_cls.__init__.__wrapped__
+
+
+def _capture(module: Any) -> None:
+    import inspect
+    import sys
+
+    code = getattr(getattr(type(module).__init__, "__func__", type(module).__init__), "__code__", None)
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code is not code:
+        frame = frame.f_back
+    if frame is None:
+        return  # a wrapped or C-level __init__: not captured, refill falls back to the config
+    names = frame.f_code.co_varnames
+    count, kwonly = frame.f_code.co_argcount, frame.f_code.co_kwonlyargcount
+    local = frame.f_locals
+    if local.get(names[0]) is not module:
+        return
+    args = [local[name] for name in names[1:count]]
+    kwargs = {name: local[name] for name in names[count:count + kwonly]}
+    extra = count + kwonly
+    if frame.f_code.co_flags & inspect.CO_VARARGS:
+        args.extend(local[names[extra]])
+        extra += 1
+    if frame.f_code.co_flags & inspect.CO_VARKEYWORDS:
+        kwargs.update(local[names[extra]])
+    try:
+        CONSTRUCTED[module] = (tuple(args), kwargs)
+    except TypeError:  # not weak-referenceable: simply not captured
+        pass
 
 
 @contextlib.contextmanager
