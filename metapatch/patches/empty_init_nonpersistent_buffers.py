@@ -92,7 +92,8 @@ PATCH = Patch(
     affects={"accelerate": ">=1.10.0"},
     targets=(
         Target("accelerate.big_modeling", "init_on_device",
-               fingerprints=("8f64bd510baf9d2f",  # accelerate 1.10.0
+               fingerprints=("8f64bd510baf9d2f",  # accelerate 1.10.0 - 1.10.1
+                             "ffd94284b6fb529c",  # accelerate 1.11.0 - 1.12.0
                              "dcbb5bea19947c22"),  # accelerate 1.13.0 - 1.15.0
                wrapper=_init_on_device, aliases=("accelerate:init_on_device",)),
         Target("torch.nn.modules.module", "Module.to_empty",
