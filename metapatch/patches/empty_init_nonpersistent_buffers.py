@@ -7,15 +7,17 @@ on the meta device, we need a `value```) or holding the uninitialised memory of 
 Under ``include_buffers=True`` every buffer is computed on meta, and a non-persistent buffer (rotary
 ``inv_freq``, position ids, masks) is never in a checkpoint: nothing in accelerate can give it a value.
 Three wrappers:
-- ``init_on_device`` with ``include_buffers`` records the constructor arguments of each module built
-  inside it (``metapatch._buffer_rebuild.capture_constructors``);
-- ``Module.to_empty`` on such a model records the non-persistent buffers it turned from meta into
-  uninitialised memory (tensor and ``_version``);
+- ``init_on_device`` (so ``init_empty_weights``, either ``include_buffers``) records the constructor
+  arguments of each module built inside it (``metapatch._buffer_rebuild.capture_constructors``);
+- ``Module.to_empty`` on such a model records the non-persistent buffers it replaced with
+  uninitialised memory (tensor and ``_version``): with ``include_buffers=False`` they held their real
+  value until then (huggingface/transformers#34234);
 - ``load_checkpoint_in_model`` (so ``load_checkpoint_and_dispatch`` too) on such a model refills, after
   loading, each non-persistent buffer still on meta or still the unwritten ``to_empty`` tensor, with
   the value of its module's constructor run again with parameters on meta; one that cannot be
   recomputed raises ``MetapatchError`` naming it.
-A model not built under ``include_buffers=True`` (nothing recorded) calls upstream untouched.
+A model not built under ``init_empty_weights`` / ``init_on_device`` (nothing recorded) calls upstream
+untouched, and so does a load that leaves no buffer on meta or unwritten after ``to_empty``.
 """
 
 from __future__ import annotations
@@ -32,13 +34,8 @@ _EMPTIED: "weakref.WeakKeyDictionary[Any, list]" = weakref.WeakKeyDictionary()
 
 
 def _init_on_device(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    bound = signature_of(wrapped).bind_partial(*args, **kwargs)
-    include_buffers = bound.arguments.get("include_buffers")
-    if include_buffers is None:
-        parse = getattr(wrapped, "__globals__", {}).get("parse_flag_from_env")
-        include_buffers = bool(parse and parse("ACCELERATE_INIT_INCLUDE_BUFFERS", False))
-    if not include_buffers:
-        return wrapped(*args, **kwargs)
+    # Both modes: include_buffers=True leaves the buffers on meta; with False they are real until a
+    # to_empty() (the usual next step) replaces them with uninitialised memory (transformers#34234).
     return _capturing(wrapped(*args, **kwargs))
 
 
@@ -61,9 +58,8 @@ def _to_empty(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         return wrapped(*args, **kwargs)
     from metapatch._buffer_rebuild import record
 
-    was_meta = {(id(p[1]), p[2]) for p in record(instance, only_meta=True)}
     result = wrapped(*args, **kwargs)
-    emptied = [p for p in record(instance) if (id(p[1]), p[2]) in was_meta and not p[3].is_meta]
+    emptied = [p for p in record(instance) if not p[3].is_meta]
     if emptied:
         _EMPTIED.setdefault(instance, []).extend(emptied)
     return result
@@ -78,13 +74,13 @@ def _load_checkpoint_in_model(wrapped: Any, instance: Any, args: tuple, kwargs: 
     from metapatch._buffer_rebuild import record, refill
 
     pending = [*_EMPTIED.pop(model, []), *record(model, only_meta=True)]
-    refill(model, pending, "init_empty_weights(include_buffers=True) and load_checkpoint_in_model")
+    refill(model, pending, "init_empty_weights and load_checkpoint_in_model")
     return result
 
 
 PATCH = Patch(
     id=PATCH_ID,
-    title="init_empty_weights(include_buffers=True) + load_checkpoint_in_model / load_checkpoint_and_dispatch: "
+    title="init_empty_weights (+ to_empty) + load_checkpoint_in_model / load_checkpoint_and_dispatch: "
           "non-persistent buffers get their constructor's value (not meta, not to_empty memory)",
     # Measured: accelerate 1.15.0 (transformers 5.24.0), 1.14.0 (5.17.0), 1.10.0 (4.57.1): meta -> ValueError
     # "we need a `value`" / NotImplementedError "Cannot copy out of meta tensor"; to_empty -> garbage. No
@@ -107,7 +103,8 @@ PATCH = Patch(
                         "accelerate.big_modeling:load_checkpoint_in_model")),
     ),
     upstream=Upstream(
-        bug=("https://github.com/huggingface/transformers/issues/48892",),
+        bug=("https://github.com/huggingface/transformers/issues/34234",
+             "https://github.com/huggingface/transformers/issues/48892"),
         forwarded="no",
         note="accelerate: init_on_device(include_buffers=True) records module constructor calls; "
              "load_checkpoint_in_model recomputes the non-persistent buffers still on meta from them",

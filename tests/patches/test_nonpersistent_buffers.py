@@ -205,24 +205,39 @@ def test_uncaptured_constructor_is_refused_by_name(tmp_path):
         load_checkpoint_in_model(empty, str(tmp_path / "model.safetensors"), device_map={"proj": "cpu", "table": "cpu"})
 
 
-def test_nothing_recorded_outside_include_buffers(tmp_path, monkeypatch):
-    """include_buffers=False (buffers real) and a model built normally: upstream untouched."""
+def test_to_empty_after_include_buffers_false_is_refilled(tmp_path):
+    """transformers#34234: init_empty_weights() keeps buffers real, to_empty() replaces them with
+    uninitialised memory, and no checkpoint holds them."""
+    from accelerate import init_empty_weights, load_checkpoint_and_dispatch
+
+    reference = _save_plain(tmp_path)
+    with init_empty_weights():
+        empty = _Plain(16, base=50.0)
+    assert not empty.table.inv_freq.is_meta
+    with nan_sentinel():
+        empty.to_empty(device="cpu")
+    assert empty.table.inv_freq.isnan().all()
+    empty = load_checkpoint_and_dispatch(empty, str(tmp_path / "model.safetensors"), device_map={"": "cpu"})
+    assert torch.equal(empty.table.inv_freq, reference.table.inv_freq)
+
+
+def test_nothing_recorded_for_a_model_built_normally(tmp_path, monkeypatch):
+    """No init_empty_weights: to_empty and load_checkpoint_in_model call upstream untouched, and
+    nn.Module.__init__ is only wrapped inside the context."""
     from accelerate import init_empty_weights, load_checkpoint_in_model
 
     _save_plain(tmp_path)
     init = torch.nn.Module.__init__
-    with init_empty_weights(include_buffers=False):
-        model = _Plain(16, base=50.0)
-        assert torch.nn.Module.__init__ is init
+    model = _Plain(16, base=50.0)
     with init_empty_weights(include_buffers=True):
         assert torch.nn.Module.__init__ is not init
     assert torch.nn.Module.__init__ is init  # restored
     assert model not in _buffer_rebuild.CONSTRUCTED and model.table not in _buffer_rebuild.CONSTRUCTED
 
-    def no_refill(*args, **kwargs):
-        raise AssertionError("refill ran for a model not built under include_buffers=True")
+    def no_walk(*args, **kwargs):
+        raise AssertionError("the patch walked a model not built under init_empty_weights")
 
-    monkeypatch.setattr(_buffer_rebuild, "refill", no_refill)
-    monkeypatch.setattr(_buffer_rebuild, "record", no_refill)
+    monkeypatch.setattr(_buffer_rebuild, "refill", no_walk)
+    monkeypatch.setattr(_buffer_rebuild, "record", no_walk)
     model.to_empty(device="cpu")
     load_checkpoint_in_model(model, str(tmp_path / "model.safetensors"), device_map={"proj": "cpu", "table": "cpu"})
