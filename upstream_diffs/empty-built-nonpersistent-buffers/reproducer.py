@@ -1,9 +1,6 @@
-"""from_pretrained leaves a custom module's non-persistent buffer as torch.empty_like memory.
-
-transformers 5 builds the model on meta and materialises every non-persistent buffer with empty_like,
-relying on _init_weights to recompute it; a buffer _init_weights does not know (remote-code rotary
-tables) keeps the uninitialised memory. empty_like is filled with NaN here so the result is
-deterministic (uninitialised memory can by chance look right).
+"""from_pretrained leaves a custom module's non-persistent buffer as torch.empty_like memory: the model
+is built on meta and _init_weights does not recompute this buffer. empty_like is filled with NaN here,
+so the result is deterministic (uninitialised memory can by chance look right).
 
 Fails with: AssertionError
 Affected: diff
@@ -12,10 +9,10 @@ import sys
 import tempfile
 
 import torch
+import transformers
+from packaging.version import Version
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
-from packaging.version import Version
-import transformers
 
 if Version(transformers.__version__) < Version("5"):
     print("not applicable: transformers 4 builds buffers on the CPU")
@@ -25,52 +22,32 @@ if Version(transformers.__version__) < Version("5"):
 class TableConfig(PretrainedConfig):
     model_type = "reproducer-table"
 
-    def __init__(self, dim=16, **kwargs):
-        self.dim = dim
-        super().__init__(**kwargs)
-
-
-class Table(nn.Module):
-    def __init__(self, dim):
-        super().__init__()
-        self.register_buffer("inv_freq", 1.0 / (100 ** (torch.arange(0, dim, 2).float() / dim)), persistent=False)
-
 
 class TableModel(PreTrainedModel):
     config_class = TableConfig
 
     def __init__(self, config):
         super().__init__(config)
-        self.proj = nn.Linear(config.dim, config.dim // 2)
-        self.table = Table(config.dim)
+        self.proj = nn.Linear(16, 8)
+        self.register_buffer("inv_freq", 1.0 / (100 ** (torch.arange(0, 16, 2).float() / 16)), persistent=False)
         self.post_init()
 
     def forward(self, x):
-        return self.proj(x) * self.table.inv_freq
+        return self.proj(x) * self.inv_freq
 
 
-original_empty_like = torch.empty_like
-
-
-def nan_empty_like(*args, **kwargs):
-    value = original_empty_like(*args, **kwargs)
-    return value.fill_(float("nan")) if value.is_floating_point() and not value.is_meta else value
-
-
+empty_like = torch.empty_like
 torch.manual_seed(0)
 model = TableModel(TableConfig()).eval()
 x = torch.randn(2, 16)
-with torch.no_grad():
-    expected = model(x)
 with tempfile.TemporaryDirectory() as folder:
     model.save_pretrained(folder)
-    torch.empty_like = nan_empty_like
+    torch.empty_like = lambda *a, **k: empty_like(*a, **k).fill_(float("nan"))
     try:
         loaded = TableModel.from_pretrained(folder).eval()
     finally:
-        torch.empty_like = original_empty_like
-    with torch.no_grad():
-        got = loaded(x)
-assert torch.equal(loaded.table.inv_freq, model.table.inv_freq), loaded.table.inv_freq
-assert torch.equal(got, expected), (got - expected).abs().max()
+        torch.empty_like = empty_like
+with torch.no_grad():
+    assert torch.equal(loaded.inv_freq, model.inv_freq), loaded.inv_freq
+    assert torch.equal(loaded(x), model(x))
 print("ok")
