@@ -95,16 +95,17 @@ def _capture(module: Any) -> None:
     names = frame.f_code.co_varnames
     count, kwonly = frame.f_code.co_argcount, frame.f_code.co_kwonlyargcount
     local = frame.f_locals
-    if local.get(names[0]) is not module:
-        return
-    args = [local[name] for name in names[1:count]]
+    positional = [local[name] for name in names[:count]]
     kwargs = {name: local[name] for name in names[count:count + kwonly]}
     extra = count + kwonly
     if frame.f_code.co_flags & inspect.CO_VARARGS:
-        args.extend(local[names[extra]])
+        positional.extend(local[names[extra]])  # a decorated __init__(*args, **kwargs) gets self here
         extra += 1
     if frame.f_code.co_flags & inspect.CO_VARKEYWORDS:
         kwargs.update(local[names[extra]])
+    if not positional or positional[0] is not module:
+        return
+    args = positional[1:]
     try:
         CONSTRUCTED[module] = (tuple(args), kwargs)
     except TypeError:  # not weak-referenceable: simply not captured

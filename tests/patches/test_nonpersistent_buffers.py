@@ -241,3 +241,27 @@ def test_nothing_recorded_for_a_model_built_normally(tmp_path, monkeypatch):
     monkeypatch.setattr(_buffer_rebuild, "record", no_walk)
     model.to_empty(device="cpu")
     load_checkpoint_in_model(model, str(tmp_path / "model.safetensors"), device_map={"proj": "cpu", "table": "cpu"})
+
+
+def test_decorated_constructor_is_captured_without_self():
+    """transformers 5.17 wraps LlamaRotaryEmbedding.__init__ in a deprecation decorator taking
+    (*args, **kwargs): the recorded call is the user's, without the module itself."""
+    import functools
+
+    from accelerate import init_empty_weights
+
+    def passthrough(init):
+        @functools.wraps(init)
+        def wrapped(*args, **kwargs):
+            return init(*args, **kwargs)
+        return wrapped
+
+    class Decorated(_Table):
+        @passthrough
+        def __init__(self, dim, base=100.0):
+            super().__init__(dim, base=base)
+
+    with init_empty_weights(include_buffers=True):
+        module = Decorated(16, base=7.0)
+    assert _buffer_rebuild.CONSTRUCTED[module] == ((16,), {"base": 7.0})
+    assert torch.equal(_buffer_rebuild._buffers_by_constructor(module, None)["inv_freq"], _Table(16, base=7.0).inv_freq)
