@@ -44,6 +44,20 @@ def test_patched_every_rank_equals_the_model():
 
 
 def test_upstream_diff_alone(tmp_path_factory):
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
     outcome = run_scenario(SCENARIO, patched=False, pythonpath=[upstream_diff_copy(PATCH.id, tmp_path_factory)])
     _skip_na(outcome)
-    assert_equals_reference(outcome)
+    if outcome.passed or Version(version("transformers")) >= Version("5.23"):
+        assert_equals_reference(outcome)
+        return
+    # transformers < 5.23 gives rank 1 zeros for every weight until an FSDP prepare; the evaluation-only
+    # prepare does not broadcast them upstream (fsdp-rank-placeholders' accelerate diff, not this one).
+    # The buffers themselves must still be right on every rank.
+    assert outcome.error_type == "AssertionError", outcome.traceback
+    for rank in (0, 1):
+        for key in ("loaded", "prepared"):
+            assert f"'rank{rank}_{key}_equal': True" in outcome.error, outcome.error
+    assert "'rank0_logits_equal': True" in outcome.error, outcome.error
