@@ -16,6 +16,8 @@ INDEX = {
     'bnb-params4bit-extra-attributes': ('bnb_params4bit_extra_attributes', ('bitsandbytes.nn.modules',)),
     'bnb-quant-state-offload': ('bnb_quant_state_offload', ('bitsandbytes.functional', 'bitsandbytes.nn.modules')),
     'diffusion-gemma-offloaded-embeddings': ('diffusion_gemma_offloaded_embeddings', ('transformers.models.diffusion_gemma.modeling_diffusion_gemma',)),
+    'empty-built-nonpersistent-buffers': ('empty_built_nonpersistent_buffers', ('transformers.modeling_utils',)),
+    'empty-init-nonpersistent-buffers': ('empty_init_nonpersistent_buffers', ('accelerate.big_modeling', 'torch.nn.modules.module', 'accelerate.utils.modeling')),
     'fsdp-rank-placeholders': ('fsdp_rank_placeholders', ('transformers.modeling_utils', 'accelerate.accelerator', 'accelerate.utils.fsdp_utils')),
     'gemma4-offloaded-embeddings': ('gemma4_offloaded_embeddings', ('transformers.models.gemma4.modeling_gemma4',)),
     'gguf-lazy-eager-mix': ('gguf_lazy_eager_mix', ('gguf.lazy',)),

@@ -21,7 +21,9 @@ The fix, three wrappers:
 - ``Accelerator.prepare_model(..., evaluation_mode=True)`` on a marked model broadcasts every
   parameter and buffer from rank 0 before preparing (a collective, like accelerate's own FSDP prepare).
 - ``fsdp2_prepare_model`` on a marked model broadcasts the non-persistent buffers from rank 0 after
-  preparing, so the ranks agree.
+  preparing, so the ranks agree. The value is right, not only shared, because
+  ``empty-built-nonpersistent-buffers`` refills on every rank, at load, each buffer ``_init_weights``
+  left as the ``empty_like`` (rank 0) or ``zeros_like`` (ranks != 0) placeholder.
 Where FSDP loading is not in use, each wrapper's first check returns to upstream untouched.
 """
 

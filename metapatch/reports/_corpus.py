@@ -236,6 +236,26 @@ REPORTS = (
            "loader does not map to lm_head; the reproducer saves the model's own keys.)",
            _A + "gpt_neox_buffers_on_disk", fixed_upstream_in=_FLOOR_ACCELERATE,
            frames=("accelerate.big_modeling:load_checkpoint_and_dispatch",)),
+    Report("transformers-48892-nonpersistent-buffer-empty-like", "https://github.com/huggingface/transformers/issues/48892",
+           "Non-persistent buffers materialized uninitialized by from_pretrained (_move_missing_keys_from_meta_to_device)",
+           "huggingface/transformers", "transformers 5.17.0, accelerate 1.14.0, torch 2.12.1",
+           "from_pretrained builds on meta and gives each non-persistent buffer torch.empty_like memory; a buffer "
+           "_init_weights does not recompute (custom / remote code) keeps it",
+           "empty-built-nonpersistent-buffers", (_DIFFERS,), FIXED_BY_METAPATCH,
+           "empty-built-nonpersistent-buffers refills each buffer nothing wrote with its constructor's value "
+           "(a config rebuild with parameters on meta), or raises MetapatchError naming it.",
+           _T + "nonpersistent_buffer_from_pretrained", patch="empty-built-nonpersistent-buffers",
+           frames=("transformers.modeling_utils:PreTrainedModel._move_missing_keys_from_meta_to_device",)),
+    Report("transformers-34234-rotary-buffer-to-empty", "https://github.com/huggingface/transformers/issues/34234",
+           "`LlamaRotaryEmbedding` `inv_freq` buffer is left uninitialized by `init_empty_weights` + "
+           "`load_checkpoint_and_dispatch`", "huggingface/transformers", "transformers 4.45 era (2024-10)",
+           "init_empty_weights keeps buffers real, to_empty() replaces them with uninitialised memory, and the "
+           "non-persistent inv_freq is in no checkpoint", "empty-init-nonpersistent-buffers", (_DIFFERS,),
+           FIXED_BY_METAPATCH,
+           "empty-init-nonpersistent-buffers records module constructors under init_empty_weights and refills the "
+           "buffers to_empty left unwritten when load_checkpoint_in_model runs.",
+           _A + "rotary_buffer_after_to_empty", patch="empty-init-nonpersistent-buffers",
+           frames=("accelerate.big_modeling:load_checkpoint_and_dispatch",)),
     # -- not meta-device bugs -------------------------------------------------------------------------
     Report("transformers-28972-move-meta-built-model", "https://github.com/huggingface/transformers/issues/28972",
            "NotImplementedError: Cannot copy out of meta tensor; no data! when moving LLaVa from meta device to CUDA",

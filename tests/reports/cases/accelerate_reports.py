@@ -181,3 +181,22 @@ def cpu_of_offloaded_model(workdir: Path) -> Dict[str, Any]:
             raise
         outcome = type(exc).__name__
     return {"move": outcome, "max_abs_diff": assert_matches(logits(model), reference, "after .cpu()")}
+
+
+def rotary_buffer_after_to_empty(workdir: Path) -> Dict[str, Any]:
+    """transformers#34234: Llama built with ``init_empty_weights()``, moved with ``to_empty()`` and
+    loaded with ``load_checkpoint_and_dispatch``: ``inv_freq`` (non-persistent, in no checkpoint)
+    holds the memory ``to_empty`` gave it (filled with NaN here, so the result is deterministic)."""
+    from accelerate import init_empty_weights, load_checkpoint_and_dispatch
+    from transformers import LlamaForCausalLM
+
+    from metapatch.selftest.nonpersistent_buffers import nan_sentinel
+
+    ckpt = llama(workdir)
+    reference = logits(LlamaForCausalLM.from_pretrained(ckpt).eval())
+    with init_empty_weights():
+        model = LlamaForCausalLM(tiny_llama_config())
+    with nan_sentinel():
+        model.to_empty(device="cpu")
+    model = load_checkpoint_and_dispatch(model, str(ckpt), device_map={"": "cpu"}).eval()
+    return {"max_abs_diff": assert_matches(logits(model), reference, "Llama after init_empty_weights, to_empty and load_checkpoint_and_dispatch")}

@@ -201,3 +201,19 @@ def gemma4_dispatch_skip_keys(workdir: Path) -> Dict[str, Any]:
     from metapatch.selftest.accelerate_dispatch_skip_keys import gemma4_dispatch_model
 
     return gemma4_dispatch_model(workdir)
+
+
+def nonpersistent_buffer_from_pretrained(workdir: Path) -> Dict[str, Any]:
+    """transformers#48892: a custom model's non-persistent buffer, not recomputed by ``_init_weights``,
+    is ``empty_like`` memory after ``from_pretrained`` (filled with NaN here: uninitialised memory can
+    by chance look right)."""
+    from transformers import AutoModelForCausalLM
+
+    from metapatch.selftest.nonpersistent_buffers import nan_sentinel, save_table_model
+
+    reference = save_table_model(workdir / "table")
+    with nan_sentinel():
+        model = AutoModelForCausalLM.from_pretrained(workdir / "table").eval()
+    ids = input_ids()
+    return {"max_abs_diff": assert_matches(logits(model, ids), logits(reference, ids),
+                                           "a custom model with a non-persistent buffer after from_pretrained")}
