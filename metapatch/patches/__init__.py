@@ -11,6 +11,7 @@ INDEX = {
     'accelerate-emptiness-probe': ('accelerate_emptiness_probe', ('accelerate.hooks',)),
     'accelerate-fsdp2-adapter-state': ('accelerate_fsdp2_adapter_state', ('accelerate.utils.fsdp_utils',)),
     'accelerate-fsdp2-plain-buffers': ('accelerate_fsdp2_plain_buffers', ('accelerate.utils.fsdp_utils',)),
+    'accelerate-fsdp2-shared-embeddings': ('accelerate_fsdp2_shared_embeddings', ('accelerate.utils.fsdp_utils',)),
     'accelerate-root-disk-map': ('accelerate_root_disk_map', ('accelerate.utils.offload',)),
     'accelerate-tie-before-load': ('accelerate_tie_before_load', ('accelerate.big_modeling', 'accelerate.utils.modeling')),
     'bnb-cpu-repack-copy': ('bnb_cpu_repack_copy', ('bitsandbytes.nn.modules',)),
