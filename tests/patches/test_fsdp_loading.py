@@ -13,6 +13,7 @@ import pytest
 import metapatch
 from metapatch.patches.accelerate_fsdp2_adapter_state import PATCH as ADAPTER_STATE
 from metapatch.patches.accelerate_fsdp2_plain_buffers import PATCH as PLAIN_BUFFERS
+from metapatch.patches.accelerate_fsdp2_shared_embeddings import PATCH as SHARED_EMBEDDINGS
 from metapatch.patches.fsdp_rank_placeholders import PATCH as PLACEHOLDERS
 from metapatch.patches.peft_tp_shard_import import PATCH as TP_IMPORT
 from metapatch.selftest import run_scenario, scenarios_for
@@ -21,14 +22,25 @@ from metapatch.selftest._ranks import raise_first_error, run_ranks
 from _three_way import assert_equals_reference, upstream_diff_copy  # tests/patches/_three_way.py
 
 pytestmark = pytest.mark.ranks
-PATCHES = {p.id: p for p in (PLACEHOLDERS, PLAIN_BUFFERS, ADAPTER_STATE, TP_IMPORT)}
+PATCHES = {p.id: p for p in (PLACEHOLDERS, PLAIN_BUFFERS, ADAPTER_STATE, TP_IMPORT, SHARED_EMBEDDINGS)}
 # What the unpatched run says where the patch's range holds (the upstream error, in its own words).
 UPSTREAM_MESSAGE = {
     PLAIN_BUFFERS.id: "has no attribute 'device_mesh'",
     PLACEHOLDERS.id: "'rank0_logits_diff': 0.0",  # rank 0 is right, rank 1 is the one that differs
     ADAPTER_STATE.id: "the saved adapter holds rank 0's shard only",
     TP_IMPORT.id: "cannot import name 'EmbeddingParallel'",
+    SHARED_EMBEDDINGS.id: "is shared with a parameter already managed by another FSDP group",
 }
+
+
+def _fixed_upstream_here(scenario):
+    """A scenario whose own bug an upstream release inside the patch's range already fixed: the
+    tied causal LM on accelerate 1.15 (huggingface/accelerate#4171; BART's tie is still open there)."""
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    return scenario.name == "tied-causal-lm" and Version(version("accelerate")) >= Version("1.15")
 CASES = [s for p in PATCHES for s in scenarios_for(p)]
 
 
@@ -85,6 +97,8 @@ def _gate(scenario):
 @pytest.mark.parametrize("scenario", [s for s in CASES if s.expected_error], ids=lambda s: s.key)
 def test_unpatched(scenario):
     affected, why, _, _ = _gate(scenario)
+    if _fixed_upstream_here(scenario):
+        pytest.skip("accelerate >= 1.15 groups the input and output embeddings itself (#4171); test_patched still runs it")
     outcome = run_scenario(scenario, patched=False)
     if not affected:
         pytest.skip(f"{scenario.patch_id} does not claim this stack ({why}); its range is what was measured")
