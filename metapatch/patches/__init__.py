@@ -9,7 +9,9 @@ stay import-cheap: anything from torch or the Hugging Face stack is imported ins
 INDEX = {
     'accelerate-dispatch-skip-keys': ('accelerate_dispatch_skip_keys', ('accelerate.big_modeling',)),
     'accelerate-emptiness-probe': ('accelerate_emptiness_probe', ('accelerate.hooks',)),
+    'accelerate-fsdp2-adapter-state': ('accelerate_fsdp2_adapter_state', ('accelerate.utils.fsdp_utils',)),
     'accelerate-fsdp2-plain-buffers': ('accelerate_fsdp2_plain_buffers', ('accelerate.utils.fsdp_utils',)),
+    'accelerate-fsdp2-shared-embeddings': ('accelerate_fsdp2_shared_embeddings', ('accelerate.utils.fsdp_utils',)),
     'accelerate-root-disk-map': ('accelerate_root_disk_map', ('accelerate.utils.offload',)),
     'accelerate-tie-before-load': ('accelerate_tie_before_load', ('accelerate.big_modeling', 'accelerate.utils.modeling')),
     'bnb-cpu-repack-copy': ('bnb_cpu_repack_copy', ('bitsandbytes.nn.modules',)),
@@ -28,6 +30,7 @@ INDEX = {
     'offloaded-outside-reads': ('offloaded_outside_reads', ('accelerate.hooks',)),
     'offloaded-resize-token-embeddings': ('offloaded_resize_token_embeddings', ('transformers.modeling_utils',)),
     'peft-offload-redispatch': ('peft_offload_redispatch', ('peft.peft_model', 'peft.mixed_model', 'peft.tuners.tuners_utils')),
+    'peft-tp-shard-import': ('peft_tp_shard_import', ('peft.utils.save_and_load',)),
     'tied-device-map-accelerate': ('tied_device_map_accelerate', ('accelerate.utils.modeling',)),
     'tied-device-map-disk-index': ('tied_device_map_disk_index', ('transformers.integrations.accelerate',)),
     'tied-device-map-meta-pointer': ('tied_device_map_meta_pointer', ('accelerate.hooks',)),

@@ -1,0 +1,167 @@
+"""Two-rank reproducers for LoRA adapters under a process group (gloo on CPU): an adapter saved
+and reloaded through accelerate's FSDP2 ``FULL_STATE_DICT`` path, and ``PeftModel.from_pretrained``
+on every rank of a running group. Each compares every rank, and the file written, with the
+single-process model built from the same checkpoint and seed.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Dict
+
+from ._harness import Scenario
+from ._models import input_ids, max_abs_diff, save_tiny_llama
+from ._ranks import FSDP_ENV, backend, fsdp_accelerator, raise_first_error, run_ranks
+from .fsdp_loading import _within_measured
+
+ADAPTER_STATE = "accelerate-fsdp2-adapter-state"
+TP_IMPORT = "peft-tp-shard-import"
+_LORA_SEED = 3
+_TIMEOUT = 300  # two ranks importing torch + transformers on a loaded 2-core machine took up to ~150 s
+_SAVED = "pytorch_model_fsdp.bin"  # accelerate's FSDP_MODEL_NAME, model_index 0
+
+
+def _lora(path: Path) -> Any:
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path)
+    torch.manual_seed(_LORA_SEED)  # the same non-zero adapter in every process
+    # r=4 over two ranks: each rank holds a (2, 64) shard of every lora_A
+    return get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+
+
+def _full(tensor: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
+
+
+# -- save_fsdp_model / load_fsdp_model(adapter_only=True), FSDP2 FULL_STATE_DICT -------------------
+
+def _adapter_rank(rank: int, world_size: int, workdir: Path) -> Dict[str, Any]:
+    import torch
+    from accelerate.utils import load_fsdp_model, save_fsdp_model
+
+    os.environ.update(FSDP_ENV)
+    os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "false"  # every rank builds the adapter itself
+    accelerator = fsdp_accelerator()
+    model = _lora(workdir / "ckpt")
+    model, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.5))
+    plugin = accelerator.state.fsdp_plugin
+    save_fsdp_model(plugin, accelerator, model, str(workdir / "saved"), adapter_only=True)
+    accelerator.wait_for_everyone()
+    with torch.no_grad():  # a shard the load does not restore must show, not keep its old value
+        for name, parameter in model.named_parameters():
+            if "lora_" in name:
+                parameter.zero_()
+    load_fsdp_model(plugin, accelerator, model, str(workdir / "saved"), adapter_only=True)
+    adapter = {name: _full(p) for name, p in model.named_parameters() if "lora_" in name}
+    with torch.no_grad():
+        logits = model(input_ids=input_ids()).logits
+    return {"adapter": adapter, "logits": logits}
+
+
+def _check_file(path: Path, *layouts: Dict[str, Any]) -> Dict[str, Any]:
+    """The saved adapter equals one of ``layouts`` (peft's key names: accelerate <= 1.14; the model's
+    own names of its trainable parameters: 1.15) tensor by tensor."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    saved = torch.load(path, weights_only=False)
+    expected = next((layout for layout in layouts if set(layout) == set(saved)), None)
+    if expected is None:
+        raise AssertionError(f"the saved adapter's keys are none of one process's layouts: {sorted(saved)[:3]}")
+    for key, value in expected.items():
+        got = saved[key]
+        if isinstance(got, DTensor):  # pickled DTensor: only the writing rank's local shard is in the file
+            raise AssertionError(f"the saved adapter holds rank 0's shard only: {key} is a DTensor of global shape "
+                                 f"{tuple(got.shape)} with a local {tuple(got.to_local().shape)} tensor")
+        if got.shape != value.shape or not torch.equal(got, value):
+            raise AssertionError(f"the saved adapter differs from one process's at {key}: shape {tuple(got.shape)} "
+                                 f"vs {tuple(value.shape)}")
+    return {"saved_tensors": len(saved)}
+
+
+def adapter_save_reload(workdir: Path) -> Dict[str, Any]:
+    """A LoRA model (r=4, non-zero) prepared with FSDP2 on two ranks, saved with
+    ``save_fsdp_model(adapter_only=True)`` (FULL_STATE_DICT, what Trainer does), zeroed and loaded back
+    with ``load_fsdp_model``: the file equals the single-process adapter tensor by tensor, and every
+    rank's reloaded adapter and logits equal one process's."""
+    import torch
+    from peft import get_peft_model_state_dict
+
+    _within_measured(accelerate="1.13", transformers="5.7", peft="0.17")
+    save_tiny_llama(workdir / "ckpt")
+    reference = _lora(workdir / "ckpt").eval()
+    expected_file = {k: v.detach().clone() for k, v in get_peft_model_state_dict(reference).items()}
+    adapter = {name: p.detach().clone() for name, p in reference.named_parameters() if "lora_" in name}
+    trainable = {name: p.detach().clone() for name, p in reference.named_parameters() if p.requires_grad}
+    with torch.no_grad():
+        logits = reference(input_ids=input_ids()).logits
+    reports = run_ranks(f"{__name__}:_adapter_rank", workdir, timeout=_TIMEOUT)
+    if (workdir / "saved" / _SAVED).exists():  # the file is judged first: it is what a resume reads
+        metrics = _check_file(workdir / "saved" / _SAVED, expected_file, trainable)
+    else:
+        metrics = {}
+    raise_first_error(reports)
+    for report in reports:
+        got = report["result"]
+        diff = max(max_abs_diff(got["adapter"][name], value) for name, value in adapter.items())
+        metrics[f"rank{report['rank']}_adapter_diff"] = diff
+        metrics[f"rank{report['rank']}_logits_diff"] = max_abs_diff(got["logits"], logits)
+    metrics["max_abs_diff"] = max(v for k, v in metrics.items() if k.endswith("_diff"))
+    if metrics["max_abs_diff"] > 0:
+        raise AssertionError(f"a rank's reloaded adapter differs from one process's: {metrics}")
+    return metrics
+
+
+# -- PeftModel.from_pretrained while a process group is running ------------------------------------
+
+def _load_rank(rank: int, world_size: int, workdir: Path) -> Dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    dist.init_process_group(backend())
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(workdir / "ckpt"), workdir / "adapter").eval()
+    with torch.no_grad():
+        return {"logits": model(input_ids=input_ids()).logits}
+
+
+def adapter_load_under_group(workdir: Path) -> Dict[str, Any]:
+    """A saved non-zero LoRA adapter loaded with ``PeftModel.from_pretrained`` on each of two ranks
+    of a running gloo group (as any FSDP/DDP/DeepSpeed script does): every rank's logits equal the
+    adapter loaded in one process without a group."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    _within_measured(peft="0.19")
+    save_tiny_llama(workdir / "ckpt")
+    _lora(workdir / "ckpt").save_pretrained(workdir / "adapter")
+    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(workdir / "ckpt"), workdir / "adapter").eval()
+    with torch.no_grad():
+        logits = reference(input_ids=input_ids()).logits
+    reports = run_ranks(f"{__name__}:_load_rank", workdir, timeout=_TIMEOUT)
+    raise_first_error(reports)
+    metrics = {f"rank{r['rank']}_logits_diff": max_abs_diff(r["result"]["logits"], logits) for r in reports}
+    metrics["max_abs_diff"] = max(metrics.values())
+    if metrics["max_abs_diff"] > 0:
+        raise AssertionError(f"a rank's adapter differs from one process's: {metrics}")
+    return metrics
+
+
+SCENARIOS = [
+    Scenario(ADAPTER_STATE, "adapter-save-reload", f"{__name__}:adapter_save_reload",
+             "LoRA over FSDP2 on two ranks (gloo), save_fsdp_model/load_fsdp_model(adapter_only=True) with "
+             "FULL_STATE_DICT: the file and every rank's reloaded adapter equal one process's",
+             expected_error="AssertionError"),
+    Scenario(TP_IMPORT, "adapter-load-under-group", f"{__name__}:adapter_load_under_group",
+             "PeftModel.from_pretrained on two ranks of a running gloo group: every rank's logits equal "
+             "one process's",
+             expected_error="ImportError"),
+]

@@ -1,0 +1,125 @@
+"""Two-rank reproducers for tied embeddings through accelerate's FSDP2 prepare (gloo on CPU): a
+causal LM whose ``lm_head`` is its input embedding, and BART, whose ``shared`` embedding is also the
+encoder's and the decoder's ``embed_tokens`` and the ``lm_head``. Logits after prepare and after one
+SGD step on every rank are compared with one process's.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Dict, Tuple
+
+from ._harness import Scenario
+from ._models import input_ids, max_abs_diff, save_tiny_llama
+from ._ranks import FSDP_ENV, fsdp_accelerator, raise_first_error, run_ranks
+from .fsdp_loading import _within_measured
+
+SHARED_EMBEDDINGS = "accelerate-fsdp2-shared-embeddings"
+_TIMEOUT = 300  # two ranks importing torch + transformers on a loaded 2-core machine took up to ~150 s
+_STEP_TOLERANCE = 1e-5  # FSDP2 averages the two ranks' gradients: a different summation order
+
+
+def _save_tiny_bart(path: Path) -> None:
+    import torch
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = BartConfig(vocab_size=128, d_model=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                        decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=64,
+                        pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)
+    BartForConditionalGeneration(config).save_pretrained(path)
+
+
+def _load(kind: str, path: Path) -> Any:
+    from transformers import AutoModelForCausalLM, BartForConditionalGeneration
+
+    return (BartForConditionalGeneration if kind == "bart" else AutoModelForCausalLM).from_pretrained(path)
+
+
+def _batch(kind: str) -> Dict[str, Any]:
+    ids = input_ids()
+    batch = {"input_ids": ids, "labels": ids}
+    if kind == "bart":
+        batch["decoder_input_ids"] = input_ids(seed=2)
+    return batch
+
+
+def _forward_and_step(model: Any, optimizer: Any, kind: str, backward: Any) -> Tuple[Any, Any]:
+    import torch
+
+    batch = _batch(kind)
+    with torch.no_grad():
+        before = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+    backward(model(**batch).loss)
+    optimizer.step()
+    optimizer.zero_grad()
+    with torch.no_grad():
+        after = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+    return before, after
+
+
+def _tied_rank(rank: int, world_size: int, workdir: Path) -> Dict[str, Any]:
+    import torch
+
+    os.environ.update(FSDP_ENV)
+    os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "false"  # the ties alone, not the broadcast path
+    kind = (workdir / "kind").read_text()
+    accelerator = fsdp_accelerator()
+    model = _load(kind, workdir / "ckpt")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    before, after = _forward_and_step(model, optimizer, kind, accelerator.backward)
+    return {"before": before, "after": after}
+
+
+def _tied(workdir: Path, kind: str) -> Dict[str, Any]:
+    import torch
+
+    (workdir / "kind").write_text(kind)
+    if kind == "bart":
+        _save_tiny_bart(workdir / "ckpt")
+    else:
+        save_tiny_llama(workdir / "ckpt", tie_word_embeddings=True)
+    model = _load(kind, workdir / "ckpt")
+    tied = model.get_input_embeddings().weight is model.get_output_embeddings().weight
+    if not tied:
+        raise AssertionError("the reference model is not tied: the scenario would prove nothing")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    before, after = _forward_and_step(model, optimizer, kind, lambda loss: loss.backward())
+    reports = run_ranks(f"{__name__}:_tied_rank", workdir, timeout=_TIMEOUT)
+    raise_first_error(reports)
+    metrics: Dict[str, Any] = {"step_change": max_abs_diff(after, before)}
+    for report in reports:
+        metrics[f"rank{report['rank']}_before_diff"] = max_abs_diff(report["result"]["before"], before)
+        metrics[f"rank{report['rank']}_after_diff"] = max_abs_diff(report["result"]["after"], after)
+    metrics["max_abs_diff"] = max(v for k, v in metrics.items() if k.endswith("_diff"))
+    if not metrics["step_change"] > 0 or metrics["max_abs_diff"] > _STEP_TOLERANCE:
+        raise AssertionError(f"a rank differs from the single-process step: {metrics}")
+    return metrics
+
+
+def tied_causal_lm(workdir: Path) -> Dict[str, Any]:
+    """A Llama with ``tie_word_embeddings=True`` through accelerator.prepare with FSDP2, one SGD step:
+    every rank's logits before and after the step equal one process's."""
+    _within_measured(accelerate="1.13", transformers="5.7")
+    return _tied(workdir, "llama")
+
+
+def bart_three_way_tie(workdir: Path) -> Dict[str, Any]:
+    """BART (``shared`` = encoder and decoder ``embed_tokens`` = ``lm_head``) through
+    accelerator.prepare with FSDP2, one SGD step: every rank equals one process."""
+    _within_measured(accelerate="1.13", transformers="5.7")
+    return _tied(workdir, "bart")
+
+
+SCENARIOS = [
+    Scenario(SHARED_EMBEDDINGS, "tied-causal-lm", f"{__name__}:tied_causal_lm",
+             "a tied Llama through accelerator.prepare with FSDP2 (two ranks, gloo), one SGD step: every rank equals "
+             "one process (accelerate 1.14 + torch 2.13: 'shared with a parameter already managed by another FSDP group')",
+             expected_error="ValueError"),
+    Scenario(SHARED_EMBEDDINGS, "bart-three-way-tie", f"{__name__}:bart_three_way_tie",
+             "BART's shared/encoder/decoder embed_tokens/lm_head tie through accelerator.prepare with FSDP2 (two ranks, "
+             "gloo), one SGD step: every rank equals one process",
+             expected_error="ValueError"),
+]
