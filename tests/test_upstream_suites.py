@@ -37,6 +37,12 @@ SUITES = {
     "accelerate": ["tests/test_big_modeling.py", "tests/test_hooks.py", "tests/test_modeling_utils.py",
                    "tests/test_offload.py"],
 }  # peft: test_peft_offload_tests_pass_with_metapatch, on a generated CPU copy
+# Beyond the four offload files (issue 22 deliverable 3), CPU-runnable files that reach what metapatch wraps
+# outside big_modeling/hooks: test_accelerator.py (Accelerator.prepare -> prepare_model, wrapped by the FSDP
+# patches; saving/loading models with offload hooks), test_utils.py (the offload and state-dict helpers,
+# extract_submodules_state_dict among them), test_quantization.py (load_checkpoint_and_dispatch and
+# load_checkpoint_in_model with bitsandbytes; what runs without a GPU). Marked slow: the latest pair only.
+MORE = {"accelerate": ["tests/test_accelerator.py", "tests/test_utils.py", "tests/test_quantization.py"]}
 OUTCOMES = ("passed", "failed", "skipped")
 
 
@@ -101,6 +107,22 @@ def test_upstream_suite_unchanged_by_metapatch(dist, sdist_root, tmp_path):
     assert not changed, f"metapatch changed upstream {dist} outcomes (without -> with): {changed}"
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("dist", list(MORE))
+def test_more_upstream_files_unchanged_by_metapatch(dist, sdist_root, tmp_path):
+    root = sdist_root(dist)
+    without = _outcomes(root, MORE[dist], with_metapatch=False, report=tmp_path / "without.xml")
+    with_ = _outcomes(root, MORE[dist], with_metapatch=True, report=tmp_path / "with.xml")
+    assert without, f"no {dist} tests were collected"
+    only_with = sorted(k for k in with_ if with_[k] == "failed" and without.get(k) != "failed")
+    fixed = sorted(k for k in with_ if with_[k] == "passed" and without.get(k) == "failed")
+    changed = {k: (without.get(k), with_.get(k)) for k in set(without) | set(with_) if without.get(k) != with_.get(k)}
+    print(f"{dist} {importlib.metadata.version(dist)} {MORE[dist]}: "
+          f"{ {name: _counts(d) for name, d in (('without', without), ('with', with_))} }\n"
+          f"  fail only with metapatch: {only_with or 'none'}\n  fixed by metapatch: {fixed or 'none'}")
+    assert not changed, f"metapatch changed upstream {dist} outcomes (without -> with): {changed}"
+
+
 def _run_peft_suite(suite, *, with_metapatch: bool, out: Path) -> tuple:
     """(test id -> (outcome, message), {"imported": bool, "applied": [...]}) for one run."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("METAPATCH_") and k != "PYTHONPATH"}
@@ -154,3 +176,68 @@ def test_peft_offload_tests_pass_with_metapatch(sdist_root, tmp_path):
     failing = {k: v for k, v in with_.items() if v[0] != "passed"}
     assert not failing, (f"peft offload tests that do not pass with metapatch: {failing}; "
                          f"passed without it, fail with it: {broken or 'none'}\n{summary}")
+
+
+# -- peft's general test files, a fixed sample (issue 22 deliverable 3) ------------------------------------------
+
+
+def _run_peer_suite(built: dict, *, with_metapatch: bool, out: Path, full: bool) -> tuple:
+    from _peer_suites import FILES, environment  # tests/_peer_suites.py
+
+    state, report = out.with_suffix(".json"), out.with_suffix(".xml")
+    env = environment(dict(os.environ), built["stubs"], REPO, with_metapatch=with_metapatch, state=state, full=full)
+    plugin = ["-p", "metapatch"] if with_metapatch else []
+    folder = built["suite"]
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", *plugin, "-p", "no:cacheprovider", "--rootdir",
+                           str(folder), "-W", "ignore::FutureWarning", f"--junitxml={report}", *FILES],
+                          cwd=folder, env=env, capture_output=True, text=True, timeout=7200 if full else 1200)
+    assert report.exists() and state.exists(), \
+        f"the peft peer suite did not run:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return _read_report(report), json.loads(state.read_text())
+
+
+@pytest.mark.slow
+def test_peft_peer_suites_unchanged_by_metapatch(sdist_root, tmp_path):
+    """peft's tests/test_custom_models.py (a fixed sample: TestPeftCustomModel's save/load, low_cpu_mem_usage,
+    merge, multiple-adapter, disable/delete and training tests over LoRA (plain, DoRA, lora_b bias, trainable
+    tokens; Linear, Embedding, Conv1D, Conv2d, MHA), IA3, LoHa, LoKr, OFT, BOFT, VeRA, AdaLoRA and trainable
+    tokens cases, and the whole TestMultipleActiveAdapters and TestRequiresGrad), test_other.py (whole) and
+    test_initialization.py (its LoRA classes; CPU), from the installed peft's sdist (tests/_peer_suites.py: the
+    sample, and why stubs stand in for diffusers/datasets). The same command without metapatch
+    (METAPATCH_DISABLE=all, not imported) and with it (`-p metapatch`); outcomes compared per test id: no test
+    may fail only with metapatch. Printed (`pytest -s`): counts, tests that fail only with metapatch, tests
+    fixed by it, tests failing in both runs.
+
+    The full files (every test of the three, ~20k; hours on one core):
+        METAPATCH_PEER_FULL=1 python -m pytest -s -p no:cacheprovider -n 0 \\
+            tests/test_upstream_suites.py -k test_peft_peer_suites_unchanged_by_metapatch
+    Marked slow: CI runs it on the latest pair only."""
+    from _peer_suites import build
+    from _peft_offload_suite import _pytest_ini
+
+    full = os.environ.get("METAPATCH_PEER_FULL") == "1"
+    version = importlib.metadata.version("peft")
+    root = sdist_root("peft")
+    built = build(root, tmp_path / "peer", _pytest_ini(root))
+    without, without_state = _run_peer_suite(built, with_metapatch=False, out=tmp_path / "without", full=full)
+    with_, with_state = _run_peer_suite(built, with_metapatch=True, out=tmp_path / "with", full=full)
+
+    only_with = sorted(k for k in with_ if with_[k][0] == "failed" and without.get(k, ("",))[0] != "failed")
+    fixed = sorted(k for k in with_ if with_[k][0] == "passed" and without.get(k, ("",))[0] == "failed")
+    both = sorted(k for k in with_ if with_[k][0] == "failed" and without.get(k, ("",))[0] == "failed")
+    counts = {"without": _counts({k: v[0] for k, v in without.items()}),
+              "with": _counts({k: v[0] for k, v in with_.items()})}
+    summary = "\n".join([
+        f"peft {version} peer suites ({'full' if full else 'sample'}): {counts}",
+        *(f"  FAILS ONLY WITH METAPATCH: {k}: {with_[k][1]}" for k in only_with),
+        *(f"  fixed by metapatch: {k}" for k in fixed),
+        *(f"  fails in both runs: {k}: {without[k][1]}" for k in both),
+        f"  patches applied in the metapatch run: {', '.join(with_state['applied']) or 'none'}",
+    ])
+    print(summary)
+    assert not without_state["imported"], f"metapatch was imported in the run without it\n{summary}"
+    assert with_state["imported"] and "peft-offload-redispatch" in with_state["applied"], \
+        f"metapatch's peft patch was not active in the run with it\n{summary}"
+    assert without, f"no peft tests were collected\n{summary}"
+    assert sorted(without) == sorted(with_), f"collected tests differ\n{summary}"
+    assert not only_with, f"peft tests that fail only with metapatch: {only_with}\n{summary}"

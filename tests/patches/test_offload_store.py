@@ -211,6 +211,47 @@ def test_merge_and_unload_keeps_the_merged_weight(offloaded):
     assert_same(reference, model)
 
 
+# -- 4. saving: the base tensors peft saves beside the adapter are read from where the hook serves them ----
+
+_SAVES = {  # what peft saves of the base: embedding layers (targets), biases (bias="all"); all on disk here
+    "llama-embeddings": ("llama", dict(LLAMA_MAP, **{"model.embed_tokens": "disk", "lm_head": "disk"}),
+                         {"target_modules": ["q_proj", "embed_tokens", "lm_head"]}),
+    "gpt2-biases": ("gpt2", GPT2_MAP, {"target_modules": ["c_attn"], "bias": "all"}),
+}
+
+
+def _saved(model, folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    model.save_pretrained(folder)
+    return load_file(str(folder / "adapter_model.safetensors"))
+
+
+@pytest.mark.parametrize("case", sorted(_SAVES))
+def test_saving_an_adapter_reads_offloaded_base_tensors_from_the_hook(offloaded, tmp_path, case):
+    """Before: ``NotImplementedError: Cannot copy out of meta tensor`` (peft copies the meta placeholders
+    of the offloaded base tensors it saves); unpatched the head case saves NaN. Now the saved file equals
+    the in-memory model's tensor by tensor, and so does the reloaded model."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    arch, device_map, options = _SAVES[case]
+    pair = offloaded(arch, device_map)
+    offloaded_names = {name for name, p in pair.offloaded.named_parameters() if p.is_meta}
+    models = []
+    for base in (pair.reference, pair.offloaded):
+        torch.manual_seed(0)
+        models.append(get_peft_model(base, LoraConfig(r=4, init_lora_weights=False, **options)))
+    expected, got = _saved(models[0], tmp_path / "reference"), _saved(models[1], tmp_path / "offloaded")
+    assert expected.keys() == got.keys()
+    assert any(key.replace("base_model.model.", "", 1).replace(".base_layer", "") in offloaded_names
+               for key in got), sorted(got)  # what is saved includes offloaded base tensors
+    for key in expected:
+        assert torch.equal(expected[key], got[key]), key
+    fresh = offloaded(arch, device_map)
+    assert_same(PeftModel.from_pretrained(fresh.reference, tmp_path / "reference"),
+                PeftModel.from_pretrained(fresh.offloaded, tmp_path / "offloaded"))
+
+
 # -- what cannot be kept is refused ---------------------------------------------------------------------
 
 
@@ -334,9 +375,16 @@ def _flows(path: Path, adapter: Path):
     def merge():
         return _logits(PeftModel.from_pretrained(base(), adapter).merge_and_unload())
 
+    def save_embedding_layers():
+        from peft import get_peft_model_state_dict
+
+        torch.manual_seed(0)
+        model = get_peft_model(base(), LoraConfig(r=4, target_modules=["q_proj", "embed_tokens"]))
+        return sorted((key, tuple(value.shape)) for key, value in get_peft_model_state_dict(model).items())
+
     return {"get_peft_model": lora, "trainable_tokens_low_cpu_mem_usage": trainable_tokens_low_cpu_mem_usage,
             "PeftModel.from_pretrained": from_pretrained, "model.load_adapter": load_adapter,
-            "merge_and_unload": merge}
+            "merge_and_unload": merge, "save_embedding_layers": save_embedding_layers}
 
 
 @pytest.fixture(scope="module")
@@ -352,7 +400,7 @@ def saved_adapter(checkpoints, tmp_path_factory):
 
 
 @pytest.mark.parametrize("flow", ["get_peft_model", "trainable_tokens_low_cpu_mem_usage", "PeftModel.from_pretrained",
-                                  "model.load_adapter", "merge_and_unload"])
+                                  "model.load_adapter", "merge_and_unload", "save_embedding_layers"])
 def test_nothing_offloaded_is_left_to_upstream_call_for_call(checkpoints, saved_adapter, flow):
     got, expected = _same_with_and_without(_flows(checkpoints["llama"][0], saved_adapter)[flow])
     if isinstance(got, torch.Tensor):

@@ -37,6 +37,10 @@ Here:
   strategies, ``max_memory`` and ``offload_dir``/``offload_folder`` are honoured as PEFT documents
   them: tensors newly sent to disk are written to ``offload_dir`` only (without one they stay in CPU
   memory, with a warning);
+* saving an adapter (``save_pretrained`` of a PEFT model, transformers' adapter save, any caller of
+  ``get_peft_model_state_dict``) writes what the in-memory model writes: the base tensors PEFT saves
+  beside the adapter (embedding layers, biases) are read, read-only, from where the offload hook
+  serves them (:mod:`._saving`), instead of ``meta`` placeholders (``Cannot copy out of meta tensor``);
 * ``merge_and_unload`` (and merge/unmerge/unload) work: ``onload_layer`` no longer reads every
   offloaded tensor to look up a file name it never uses (a KeyError with this weights map).
 
@@ -60,7 +64,7 @@ from __future__ import annotations
 
 from metapatch._records import Patch, Target, Upstream
 
-from . import _wrappers
+from . import _saving, _wrappers
 from ._onload import onload_layer_replacement
 from ._placement import _user_map, new_placement  # noqa: F401  (tests and the benchmark use them)
 from ._redispatch import redispatch  # noqa: F401
@@ -110,6 +114,17 @@ PATCH = Patch(
                fingerprints=("613a4d10649c3021",  # 0.17.1-0.19.1
                              "607acfd87f017a8a"),  # 0.20.0, 0.21.2
                replacement=onload_layer_replacement),
+        Target("peft.utils.save_and_load", "get_peft_model_state_dict",
+               fingerprints=("981886f83747adb0",  # 0.17.x
+                             "ee470566ff2dcd8e",  # 0.18.x
+                             "1d95bfb5c1856ac0",  # 0.19.x
+                             "8aa8635d66fd17a5",  # 0.20.0
+                             "2fc7858d1c22444c",  # 0.21.0
+                             "d58ad4638396f6ea"),  # 0.21.1, 0.21.2
+               wrapper=_saving.get_peft_model_state_dict,
+               aliases=("peft.utils:get_peft_model_state_dict", "peft.peft_model:get_peft_model_state_dict",
+                        "peft:get_peft_model_state_dict", "peft.functional:get_peft_model_state_dict",
+                        "peft.tuners.lora.model:get_peft_model_state_dict")),
     ),
     upstream=Upstream(
         bug=("https://github.com/huggingface/peft/issues?q=load_adapter+offload+hf_device_map",
