@@ -19,6 +19,7 @@ _DIFFERS = r"differ from the in-memory reference"
 
 _A = "tests/reports/cases/accelerate_reports.py:"
 _P = "tests/reports/cases/peft_reports.py:"
+_D = "tests/reports/cases/distributed_reports.py:"
 _T = "tests/reports/cases/transformers_reports.py:"
 _Q = "tests/reports/cases/quantized_reports.py:"
 _FLOOR_ACCELERATE = {"accelerate": "1.10.0"}
@@ -69,6 +70,35 @@ REPORTS = (
            # base's map on this path (the patch still fixes from_pretrained(adapter_dir, device_map=...) there)
            affected={"transformers": ">=4.57.0,!=5.0.*,!=5.1.*,!=5.2.*,!=5.3.*"},
            frames=("transformers.integrations.peft:PeftAdapterMixin.load_adapter",)),
+    # -- distributed loading (two ranks) ------------------------------------------------------
+    Report("accelerate-4206-fsdp2-adapter-only-full-state-dict", "https://github.com/huggingface/accelerate/pull/4206",
+           "Fix FSDP2/ PEFT/`FULL_STATE_DICT` dropping every rank's adapter shard except rank 0", "huggingface/accelerate",
+           "accelerate 1.14 (FSDP2, FULL_STATE_DICT, Trainer with PEFT), 2xH100",
+           "save_fsdp_model(adapter_only=True) pickles the adapter's DTensors on rank 0: the file holds rank 0's shard of each LoRA tensor only; load restores nothing on other ranks",
+           "accelerate-fsdp2-adapter-state", (r"holds rank 0's shard only",), FIXED_BY_METAPATCH,
+           "accelerate-fsdp2-adapter-state gathers every shard before rank 0 writes and gives each rank its shard at load; fixed upstream in 1.15.0.",
+           _D + "fsdp2_adapter_only_full_state_dict", patch="accelerate-fsdp2-adapter-state",
+           fixed_upstream_in={"accelerate": "1.15.0"},
+           frames=("accelerate.utils.fsdp_utils:save_fsdp_model", "accelerate.utils.fsdp_utils:_get_model_state_dict")),
+    Report("peft-3628-embedding-parallel-import", "https://github.com/huggingface/peft/issues/3628",
+           "TP + LoRA is broken on transformers 5.16: add_tensor_parallel_hooks_to_module and EmbeddingParallel were removed", "huggingface/peft",
+           "peft 0.19-0.20, transformers >= 5.16",
+           "set_peft_model_state_dict imports transformers' removed EmbeddingParallel whenever a process group is initialised, before looking for TP layers",
+           "peft-tp-shard-import", (r"cannot import name 'EmbeddingParallel'",), FIXED_BY_METAPATCH,
+           "peft-tp-shard-import returns before the import when no LoRA layer carries a TP plan; fixed upstream in peft 0.20.0.",
+           _D + "adapter_load_under_process_group", patch="peft-tp-shard-import",
+           fixed_upstream_in={"peft": "0.20.0"},
+           frames=("peft.utils.save_and_load:_maybe_shard_state_dict_for_tp",)),
+    Report("accelerate-4171-fsdp2-tied-embeddings", "https://github.com/huggingface/accelerate/pull/4171",
+           "Fix FSDP2 tied-embedding models on torch >= 2.13: put the output embedding in the same fully_shard group", "huggingface/accelerate",
+           "accelerate 1.14, torch 2.13",
+           "fsdp2_prepare_model puts the input embedding in the tail FSDP group and leaves the tied lm_head to the root: torch 2.13 refuses a parameter in two groups",
+           "accelerate-fsdp2-shared-embeddings", (r"is shared with a parameter already managed by another FSDP group",),
+           FIXED_BY_METAPATCH,
+           "accelerate-fsdp2-shared-embeddings groups every module holding the tied weight; fixed upstream in 1.15.0 for the input/output pair.",
+           _D + "fsdp2_tied_embeddings", patch="accelerate-fsdp2-shared-embeddings",
+           affected={"accelerate": ">=1.14,<1.15", "torch": ">=2.13"},
+           frames=("accelerate.utils.fsdp_utils:fsdp2_prepare_model",)),
     # -- bitsandbytes, gguf ------------------------------------------------------------------------
     Report("discuss-175522-peft-over-offloaded-4bit", "https://discuss.huggingface.co/t/cpu-offloading-error-scenario/175522",
            "CPU offloading error scenario", "discuss.huggingface.co",

@@ -18,7 +18,8 @@ def test_report_classification(report: Report) -> None:
 
 
 def test_every_report_is_in_one_group() -> None:
-    from . import test_reports
+    from . import test_reports, test_reports_distributed
 
+    groups = set(GROUP) | set(test_reports.GROUP) | set(test_reports_distributed.GROUP)
     modules = {r.reproducer.partition(":")[0].rpartition("/")[2] for r in reports()}
-    assert modules <= set(GROUP) | set(test_reports.GROUP), sorted(modules - set(GROUP) - set(test_reports.GROUP))
+    assert modules <= groups, sorted(modules - groups)
