@@ -25,6 +25,9 @@ from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
+from ._hook_state import align_hooks, holds, offload_hooks
+from ._hook_state import storage as _storage
+
 ERROR, WARNING, INFO = "error", "warning", "info"
 _SHOWN = 8  # names listed per finding in the text report (all of them are in to_dict())
 
@@ -94,47 +97,6 @@ class Report:
 # -- accelerate hooks ----------------------------------------------------------------------------
 
 
-def _hooks_of(module: Any) -> List[Any]:
-    hook = module.__dict__.get("_hf_hook")
-    if hook is None:
-        return []
-    return list(getattr(hook, "hooks", None) or (hook,))
-
-
-def _align_hooks(module: Any) -> List[Any]:
-    hooks_module = sys.modules.get("accelerate.hooks")
-    if hooks_module is None:
-        return []
-    return [h for h in _hooks_of(module) if isinstance(h, hooks_module.AlignDevicesHook)]
-
-
-def _offload_hooks(module: Any) -> List[Any]:
-    return [h for h in _align_hooks(module) if h.offload]
-
-
-class _WeightsMapKeys:
-    """Membership in an offload hook's weights_map without loading tensors from disk."""
-
-    def __init__(self) -> None:
-        self._keys: Dict[int, frozenset] = {}
-
-    def contains(self, weights_map: Any, key: str) -> bool:
-        prefix = ""
-        if hasattr(weights_map, "prefix") and hasattr(weights_map, "dataset"):  # accelerate's PrefixedDataset
-            prefix, weights_map = weights_map.prefix, weights_map.dataset
-        if weights_map is None:
-            return False
-        cache_key = id(weights_map)
-        if cache_key not in self._keys:
-            if hasattr(weights_map, "all_keys"):  # OffloadedWeightsLoader: RAM state dict + disk index
-                self._keys[cache_key] = frozenset(weights_map.all_keys)
-            elif isinstance(weights_map, Mapping):
-                self._keys[cache_key] = frozenset(weights_map.keys())
-            else:
-                return True  # an unknown store: trust it
-        return prefix + key in self._keys[cache_key]
-
-
 def _module_tensors(module: Any, recurse: bool, buffers: bool) -> Iterator[Tuple[str, Any]]:
     yield from module.named_parameters(recurse=recurse)
     if buffers:
@@ -147,25 +109,16 @@ def _join(prefix: str, name: str) -> str:
 
 def _covered_meta(model: Any) -> Tuple[set, Dict[str, Any]]:
     """(names of meta tensors an offload hook will fill, {offloaded module name: hook})."""
-    keys = _WeightsMapKeys()
     covered, offloaded = set(), {}
     for module_name, module in model.named_modules():
-        for hook in _offload_hooks(module):
+        for hook in offload_hooks(module):
             recurse = bool(hook.place_submodules)
             hits = [n for n, t in _module_tensors(module, recurse, bool(hook.offload_buffers))
-                    if t.is_meta and keys.contains(hook.weights_map, n)]
+                    if t.is_meta and holds(hook.weights_map, n)]
             if hits:
                 offloaded[module_name] = hook
                 covered.update(_join(module_name, n) for n in hits)
     return covered, offloaded
-
-
-def _storage(hook: Any) -> str:
-    weights = getattr(hook, "weights_map", None)
-    loader = getattr(weights, "dataset", None)
-    index = getattr(loader, "index", None) or {}
-    prefix = getattr(weights, "prefix", "")
-    return "disk" if any(k.startswith(prefix) for k in index) else "cpu"
 
 
 def _collapse(names: Iterable[str]) -> List[str]:
@@ -278,7 +231,7 @@ def check_no_device_map(model: Any, placements: Mapping[str, str], offloaded: Ma
     if device_map is not None:
         return None
     devices = {d for d in placements.values()}
-    hooked = any(_align_hooks(m) for m in model.modules())
+    hooked = any(align_hooks(m) for m in model.modules())
     if len(devices) < 2 and not offloaded and "meta" not in devices and not hooked:
         return None
     finding = Finding(
@@ -321,7 +274,7 @@ def _input_device(model: Any) -> Optional[str]:
         embeddings = None
     if embeddings is None:
         return None
-    for hook in _align_hooks(embeddings):
+    for hook in align_hooks(embeddings):
         if hook.execution_device is not None:
             return _norm_device(hook.execution_device)
     weight = getattr(embeddings, "weight", None)
@@ -370,7 +323,7 @@ def check_skip_keys(model: Any) -> Optional[Finding]:
     lacking: Dict[str, List[str]] = defaultdict(list)  # missing keys -> module names
     count = 0
     for name, module in model.named_modules():
-        for hook in _align_hooks(module):
+        for hook in align_hooks(module):
             missing = wanted - _as_set(hook.skip_keys)
             if missing:
                 lacking[", ".join(sorted(missing))].append(name)
