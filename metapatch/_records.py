@@ -98,13 +98,17 @@ class Patch:
     listed distribution is installed at a version inside its range (pre-releases, dev and local
     builds included). Leave the upper end open while no upstream release has the fix: the
     fingerprints notice when upstream changes the code instead.
+
+    ``wraps_over`` names the patches whose replacements this one goes over where both replace one
+    target (each for its own bug): the registry applies those first, keeps that order whichever is
+    imported or installed first, and takes this one off and puts it back when one of them is unpatched.
     """
 
-    __slots__ = ("id", "title", "affects", "targets", "upstream", "diffs", "selftest")
+    __slots__ = ("id", "title", "affects", "targets", "upstream", "diffs", "selftest", "wraps_over")
 
     def __init__(self, id: str, title: str, affects: Mapping[str, str], targets: Tuple[Target, ...], *,  # noqa: A002
                  upstream: Optional[Upstream] = None, diffs: Tuple[str, ...] = (),
-                 selftest: Optional[str] = None) -> None:
+                 selftest: Optional[str] = None, wraps_over: Tuple[str, ...] = ()) -> None:
         if not targets:
             raise ValueError(f"patch {id!r} has no targets")
         self.id = id
@@ -114,6 +118,7 @@ class Patch:
         self.upstream = upstream or Upstream()
         self.diffs = tuple(diffs)
         self.selftest = selftest
+        self.wraps_over = (wraps_over,) if isinstance(wraps_over, str) else tuple(wraps_over)
 
     def __repr__(self) -> str:
         return f"Patch({self.id!r})"

@@ -541,3 +541,51 @@ def test_two_patches_of_one_target_both_report_applied(world):
     ''')
     assert out["states"] == {"fake-compute": "applied", "fake-compute-twice": "applied"}
     assert out["compute"] == 23  # 2 * 10, + 1, + 2: both wrappers run
+
+
+def _stacked(outer_declares: bool = True) -> dict:
+    """fake-compute and fake-compute-twice on one target; ``wraps_over`` puts -twice outside."""
+    second = PATCHES["p_compute"].replace('id="fake-compute"', 'id="fake-compute-twice"').replace(
+        "_plus_one", "_plus_two").replace("+ 1", "+ 2").replace(',\n                    aliases=("fakelib:compute",)', "")
+    if outer_declares:
+        second = second.replace('upstream=Upstream(', 'wraps_over=("fake-compute",), upstream=Upstream(')
+    # Named so that file order alone would put -twice inside: only the declaration orders the stack.
+    return {"p_z_compute": PATCHES["p_compute"], "p_a_compute_twice": second}
+
+
+def test_stacked_patches_follow_their_declared_order(world):
+    out = world(patches=_stacked())('''
+        reg = Registry(load_patches("fakepatches")); reg.install()
+        import fakelib.core
+        from metapatch._targets import MARKER
+        outer = getattr(fakelib.core.compute, MARKER)[0]
+        print(json.dumps({"outer": outer, "compute": fakelib.core.compute(2)}))
+    ''')
+    assert out == {"outer": "fake-compute-twice", "compute": 23}
+
+
+def test_unpatching_the_inner_patch_of_a_stack_leaves_no_wrapper_inside_the_outer(world):
+    out = world(patches=_stacked())('''
+        reg = Registry(load_patches("fakepatches")); reg.install()
+        import fakelib.core, fakelib
+        steps = {"both": fakelib.core.compute(2)}
+        reg.unpatch(["fake-compute"])
+        steps["inner off"] = fakelib.core.compute(2)
+        steps["inner off states"] = states(reg)
+        reg.install(["fake-compute"])
+        steps["inner back"] = fakelib.core.compute(2)
+        steps["outer after reinstall"] = getattr(fakelib.core.compute, MARKER)[0]
+        reg.unpatch(["fake-compute-twice"])
+        steps["outer off"] = fakelib.core.compute(2)
+        reg.unpatch()
+        steps["all off"] = fakelib.core.compute(2)
+        steps["original back"] = fakelib.core.compute is getattr(sys.modules["fakelib.core"], "compute") \
+            and not hasattr(fakelib.core.compute, MARKER)
+        print(json.dumps(steps))
+    ''')
+    assert out["both"] == 23
+    assert out["inner off"] == 22  # only the outer's +2: the inner wrapper is gone from inside it
+    assert out["inner off states"] == {"fake-compute": "disabled", "fake-compute-twice": "applied"}
+    assert out["inner back"] == 23 and out["outer after reinstall"] == "fake-compute-twice"
+    assert out["outer off"] == 21
+    assert out["all off"] == 20 and out["original back"] is True

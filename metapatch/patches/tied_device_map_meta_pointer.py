@@ -48,4 +48,7 @@ PATCH = Patch(
     ),
     diffs=(),
     selftest="metapatch.selftest.tied_device_map",
+    # Both replace attach_align_device_hook_on_blocks on accelerate < 1.15; the order does not change
+    # either result (this one only edits the arguments), it is declared so that it never changes by accident.
+    wraps_over=("offloaded-outside-reads",),
 )
