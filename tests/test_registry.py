@@ -589,3 +589,51 @@ def test_unpatching_the_inner_patch_of_a_stack_leaves_no_wrapper_inside_the_oute
     assert out["inner back"] == 23 and out["outer after reinstall"] == "fake-compute-twice"
     assert out["outer off"] == 21
     assert out["all off"] == 20 and out["original back"] is True
+
+
+def test_records_that_list_their_diffs_list_what_their_folder_holds():
+    # Patch.diffs is found in upstream_diffs/<id>/; a record may still list them (older records,
+    # a test's fake patch), and then the two must not drift apart.
+    from metapatch._diff_files import diff_paths_of
+    from metapatch._registry import load_patches
+
+    records = load_patches()
+    listed = {p.id: p._diffs for p in records if p._diffs is not None}
+    assert {pid: diff_paths_of(pid) for pid in listed} == listed
+    assert all(p.diffs == diff_paths_of(p.id) for p in records)
+    assert any(p.diffs for p in records if p._diffs is None)  # the derived ones are really found
+
+
+def test_patches_sharing_a_target_declare_their_order():
+    # Two patches of one target are applied in the order Patch.wraps_over declares; without a
+    # declaration the order would follow file names, and a rename would silently change it.
+    from collections import defaultdict
+
+    from metapatch._registry import load_patches
+
+    records = {p.id: p for p in load_patches()}
+    by_target = defaultdict(list)
+    for patch in records.values():
+        for target in patch.targets:
+            by_target[target.dotted].append(patch.id)
+    undeclared = {dotted: ids for dotted, ids in by_target.items() if len(ids) > 1 and not all(
+        any(a in records[b].wraps_over or b in records[a].wraps_over for b in ids if b != a) for a in ids)
+        and len({tuple(sorted(records[i].affects.items())) for i in ids}) == len(ids)
+        and _ranges_overlap([records[i] for i in ids])}
+    assert undeclared == {}, "declare Patch.wraps_over for " + repr(undeclared)
+    for patch in records.values():
+        assert set(patch.wraps_over) <= set(records), f"{patch.id} wraps over an unknown patch"
+
+
+def _ranges_overlap(patches) -> bool:
+    """Whether some release of every shared distribution is in all the patches' ranges (the -v4
+    siblings of one target never apply together)."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    shared = set.intersection(*(set(p.affects) for p in patches))
+    probes = [Version(f"{major}.{minor}.0") for major in range(0, 8) for minor in range(0, 60)]
+    for dist in shared:
+        if not any(all(SpecifierSet(p.affects[dist]).contains(v, prereleases=True) for p in patches) for v in probes):
+            return False
+    return True

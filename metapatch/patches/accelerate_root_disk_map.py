@@ -51,6 +51,5 @@ PATCH = Patch(
         forwarded="no",
         note="accelerate: extract_submodules_state_dict treats the root name \"\" as every key",
     ),
-    diffs=("upstream_diffs/accelerate-root-disk-map/accelerate.diff",),
     selftest="metapatch.selftest.root_disk_map",
 )

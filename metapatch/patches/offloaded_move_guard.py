@@ -324,6 +324,5 @@ PATCH = Patch(
         note="upstream fix: offload hooks guard their module's _apply, so every path (submodule .to, "
              "Module.to(model), .cpu(), PeftModel.to, other accelerators) gets a clear error",
     ),
-    diffs=("upstream_diffs/offloaded-move-guard/accelerate.diff",),
     selftest="metapatch.selftest.offloaded_move",
 )

@@ -236,6 +236,5 @@ PATCH = Patch(
         note="transformers: resize_token_embeddings onloads an offloaded embedding/head for the resize and "
              "re-offloads it with a weights map holding the resized tensors",
     ),
-    diffs=("upstream_diffs/offloaded-resize-token-embeddings/transformers.diff",),
     selftest="metapatch.selftest.offloaded_resize",
 )
