@@ -133,13 +133,21 @@ class Patch:
 
     ``diffs`` are found in ``upstream_diffs/<id>/`` (:func:`metapatch._diff_files.diff_paths_of`) unless
     the record lists them (a test's fake patch, whose diffs live elsewhere).
+
+    ``selftest`` is the selftest module of the patch's own scenarios (``Scenario.patch_id``); a record
+    names one only when it has no scenario of its own and is exercised by another patch's.
+
+    ``diagnoses`` lists the :func:`metapatch.diagnose` finding codes this patch fixes, so that a
+    finding names it (``"tied-split"``, ``"offloaded"``).
     """
 
-    __slots__ = ("id", "title", "affects", "targets", "upstream", "_diffs", "selftest", "wraps_over")
+    __slots__ = ("id", "title", "affects", "targets", "upstream", "_diffs", "_selftest", "wraps_over",
+                 "diagnoses")
 
     def __init__(self, id: str, title: str, affects: Mapping[str, str], targets: Tuple[Target, ...], *,  # noqa: A002
                  upstream: Optional[Upstream] = None, diffs: Optional[Tuple[str, ...]] = None,
-                 selftest: Optional[str] = None, wraps_over: Tuple[str, ...] = ()) -> None:
+                 selftest: Optional[str] = None, wraps_over: Tuple[str, ...] = (),
+                 diagnoses: Tuple[str, ...] = ()) -> None:
         if not targets:
             raise ValueError(f"patch {id!r} has no targets")
         self.id = id
@@ -148,8 +156,9 @@ class Patch:
         self.targets = tuple(targets)
         self.upstream = upstream or Upstream()
         self._diffs = None if diffs is None else tuple(diffs)
-        self.selftest = selftest
+        self._selftest = selftest
         self.wraps_over = (wraps_over,) if isinstance(wraps_over, str) else tuple(wraps_over)
+        self.diagnoses = (diagnoses,) if isinstance(diagnoses, str) else tuple(diagnoses)
 
     def __repr__(self) -> str:
         return f"Patch({self.id!r})"
@@ -162,6 +171,15 @@ class Patch:
         from ._diff_files import diff_paths_of  # (only when asked: status, the diff commands)
 
         return diff_paths_of(self.id)
+
+    @property
+    def selftest(self) -> Optional[str]:
+        """The module holding the patch's reproducers (imports the selftest modules when not declared)."""
+        if self._selftest is not None:
+            return self._selftest
+        from .selftest import all_scenarios  # cheap by convention: scenarios import torch when they run
+
+        return next((s.function.partition(":")[0] for s in all_scenarios() if s.patch_id == self.id), None)
 
     @property
     def modules(self) -> Tuple[str, ...]:

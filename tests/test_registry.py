@@ -469,21 +469,22 @@ def test_python_dash_m_status_runs():
 
 def test_patch_index_matches_the_records():
     # metapatch.patches.INDEX lets `import metapatch` register hooks without importing patch modules;
-    # it must name exactly what the records say.
+    # it is generated from the records (python -m metapatch.patches --write) and must name exactly
+    # what they say.
     import importlib
 
-    from metapatch._registry import _patch_module_names, load_patches
+    from metapatch._patch_loading import index_of_records, render_index
+    from metapatch._registry import load_patches
 
     pkg = importlib.import_module("metapatch.patches")
-    records = {}
-    for name in _patch_module_names(pkg):
-        patch = getattr(importlib.import_module(f"metapatch.patches.{name}"), "PATCH", None)
-        if patch is not None:
-            records[patch.id] = (name, patch.modules)
-    expected = "INDEX = {\n" + "".join(f"    {pid!r}: {entry!r},\n" for pid, entry in records.items()) + "}"
+    records = index_of_records()
     index = {pid: (module, tuple(targets)) for pid, (module, targets) in pkg.INDEX.items()}
-    assert index == records, f"metapatch/patches/__init__.py is out of date; use:\n{expected}"
+    assert index == records, ("metapatch/patches/__init__.py is out of date: run python -m metapatch.patches "
+                              f"--write, or use:\n{render_index(records)}")
     assert [p.id for p in load_patches()] == list(records)
+    check = subprocess.run([sys.executable, "-m", "metapatch.patches", "--check"], env=_env(REPO),
+                           capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
 
 
 def test_lazy_records_load_with_their_target_only(world, tmp_path):
@@ -637,3 +638,21 @@ def _ranges_overlap(patches) -> bool:
         if not any(all(SpecifierSet(p.affects[dist]).contains(v, prereleases=True) for p in patches) for v in probes):
             return False
     return True
+
+
+def test_patch_selftest_is_the_module_of_its_own_scenarios():
+    # Patch.selftest follows Scenario.patch_id; a record names a module only when the patch has no
+    # scenario of its own (another patch's scenarios exercise it), and then it must hold scenarios.
+    from metapatch._registry import load_patches
+    from metapatch.selftest import all_scenarios
+
+    scenarios = all_scenarios()
+    own = {}
+    for scenario in scenarios:
+        own.setdefault(scenario.patch_id, []).append(scenario.function.partition(":")[0])
+    for patch in load_patches():
+        if patch.id in own:
+            assert patch.selftest in own[patch.id], (patch.id, patch.selftest, own[patch.id])
+        else:
+            assert patch._selftest is not None, f"{patch.id} has no scenario: name the module that exercises it"
+            assert any(s.function.startswith(patch.selftest + ":") for s in scenarios), patch.id

@@ -70,5 +70,5 @@ PATCH = Patch(
         fixed_in={"transformers": "5.23.0"},
         note="accelerate: dispatch_model's skip_keys defaults to the model's _skip_keys_device_placement",
     ),
-    selftest="metapatch.selftest.peft_offload",
+    diagnoses=("skip-keys-missing",),  # metapatch.diagnose findings this fixes
 )

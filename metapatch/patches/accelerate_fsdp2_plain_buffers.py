@@ -100,5 +100,4 @@ PATCH = Patch(
         forwarded="no",
         note="accelerate: fsdp2_load_full_state_dict broadcasts entries that are not DTensors as plain tensors",
     ),
-    selftest="metapatch.selftest.fsdp_loading",
 )

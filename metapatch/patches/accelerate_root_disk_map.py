@@ -51,5 +51,4 @@ PATCH = Patch(
         forwarded="no",
         note="accelerate: extract_submodules_state_dict treats the root name \"\" as every key",
     ),
-    selftest="metapatch.selftest.root_disk_map",
 )

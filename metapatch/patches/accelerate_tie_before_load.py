@@ -220,5 +220,4 @@ PATCH = Patch(
         note="accelerate: load_checkpoint_in_model (and load_checkpoint_and_dispatch, before inferring the device "
              "map) call model.tie_weights() when the config declares ties that a meta model does not have yet",
     ),
-    selftest="metapatch.selftest.accelerate_tie",
 )

@@ -198,5 +198,4 @@ PATCH = Patch(
              "has no per-offload-source cache (accelerate rebuilds an offloaded parameter at every forward, "
              "so with the diff alone an offloaded layer is repacked at every forward, as upstream does today).",
     ),
-    selftest="metapatch.selftest.bnb_cpu_repack",
 )

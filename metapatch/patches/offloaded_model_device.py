@@ -94,5 +94,5 @@ PATCH = Patch(
         note="upstream fix: ModuleUtilsMixin.device asks the first parameter's accelerate offload hook for its "
              "execution device when the parameter is a meta placeholder",
     ),
-    selftest="metapatch.selftest.offloaded_device",
+    diagnoses=("model-device-meta",),  # metapatch.diagnose findings this fixes
 )

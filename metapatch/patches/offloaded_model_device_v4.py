@@ -28,5 +28,5 @@ PATCH = Patch(
         note="transformers 4.57 is a maintenance line; the fix for current releases is "
              "upstream_diffs/offloaded-model-device/transformers.diff.",
     ),
-    selftest="metapatch.selftest.offloaded_device",
+    diagnoses=("model-device-meta",),  # metapatch.diagnose findings this fixes
 )

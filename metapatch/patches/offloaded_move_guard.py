@@ -324,5 +324,5 @@ PATCH = Patch(
         note="upstream fix: offload hooks guard their module's _apply, so every path (submodule .to, "
              "Module.to(model), .cpu(), PeftModel.to, other accelerators) gets a clear error",
     ),
-    selftest="metapatch.selftest.offloaded_move",
+    diagnoses=("offloaded",),  # metapatch.diagnose findings this fixes
 )

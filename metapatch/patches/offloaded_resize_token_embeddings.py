@@ -236,5 +236,4 @@ PATCH = Patch(
         note="transformers: resize_token_embeddings onloads an offloaded embedding/head for the resize and "
              "re-offloads it with a weights map holding the resized tensors",
     ),
-    selftest="metapatch.selftest.offloaded_resize",
 )

@@ -67,5 +67,5 @@ PATCH = Patch(
         note="transformers 4.57 is a maintenance line; the fix for current releases is "
              "upstream_diffs/tied-device-map-transformers/transformers.diff.",
     ),
-    selftest="metapatch.selftest.tied_device_map",
+    diagnoses=("tied-split", "no-hf-device-map"),  # metapatch.diagnose findings this fixes
 )
