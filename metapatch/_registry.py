@@ -1,20 +1,12 @@
-"""Version gating, lifecycle and (un)installation of patch records.
+"""Lifecycle and (un)installation of patch records; knows nothing about any particular patch.
 
-This module knows nothing about any particular patch. It is handed :class:`Patch` records and
-
-* registers a post-import hook per target module (:mod:`metapatch._import_hooks`, a meta-path
-  finder that never imports nor waits on a lock while the import system holds its own), so a
-  patch applies whether metapatch is imported before or after its target;
-* gates each patch on installed distribution versions (lazily: ``importlib.metadata`` is only
-  read once a target module is imported or ``status()`` is asked for);
-* refuses to patch code whose source no longer matches the fingerprints the patch was written
-  against (``stale``) or that another library already replaced (``conflict``), reports versions
-  outside the declared support window as ``not-measured`` instead of guessing, and never lets an
-  exception from a patch escape into the user's import (``failed``) unless ``METAPATCH_STRICT=1``
-  asks for exactly that;
-* marks every object it installs, so a second registry (``importlib.reload(metapatch)``, or
-  metapatch re-imported after ``sys.modules`` was cleared) adopts what is there instead of
-  wrapping twice, and ``unpatch`` can find every site that holds a replacement.
+The registry registers a post-import hook per target module (:mod:`metapatch._import_hooks`), so a
+patch applies whether metapatch is imported before or after its target; gates it on installed
+versions (:mod:`metapatch._gate`, lazily); refuses code whose source no longer matches the patch's
+fingerprints (``stale``) or that another library replaced (``conflict``) (:mod:`metapatch._planning`);
+never lets a patch's exception escape into the user's import (``failed``) unless
+``METAPATCH_STRICT=1`` asks for it; and marks every object it installs, so that a second registry
+adopts what is there instead of wrapping twice and ``unpatch`` finds every site (:mod:`metapatch._sites`).
 """
 
 from __future__ import annotations
@@ -27,7 +19,8 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 from ._gate import Gate, Gating, disabled_ids, strict_mode  # noqa: F401 - re-exported
 from ._patch_loading import LazyPatches, _patch_module_names, lazy_patches, load_patches  # noqa: F401 - re-exported
 from ._records import MetapatchError, Patch, State, Target
-from ._sites import PatchStatus, Planned, Retry, Site, conflict_reason, namespace
+from ._planning import plan, stack_order, stacked_at
+from ._sites import PatchStatus, Planned, Retry, Site, namespace
 from ._targets import (MARKER, _code_owner, _initializing, _package, _raw, _source_object,  # noqa: F401
                        fingerprint, replaced_by, resolve)
 
@@ -110,7 +103,7 @@ class Registry:
                 imported.append(patch_id)
         # Patches of one target are applied inner first (Patch.wraps_over); a module still executing
         # gets its patches when it finishes.
-        for patch_id in self._stack_order(imported):
+        for patch_id in stack_order(self.patches, imported):
             for module_name in self._modules_of(patch_id):
                 module = self._imported(module_name)
                 if module is not None:
@@ -120,25 +113,6 @@ class Registry:
     def _imported(module_name: str) -> Any:
         module = sys.modules.get(module_name)
         return None if module is None or _initializing(module) else module
-
-    def _stack_order(self, ids: Iterable[str]) -> List[str]:
-        """``ids`` in application order: each patch after the patches it declares it wraps over
-        (``Patch.wraps_over``), otherwise as given. Loads the records of ``ids`` only."""
-        ids = list(dict.fromkeys(ids))
-        wanted, placed, order = set(ids), set(), []
-
-        def place(patch_id: str) -> None:
-            if patch_id in placed:
-                return
-            placed.add(patch_id)
-            for under in self.patches[patch_id].wraps_over:
-                if under in wanted:
-                    place(under)
-            order.append(patch_id)
-
-        for patch_id in ids:
-            place(patch_id)
-        return order
 
     def _select(self, ids: Optional[Iterable[str]]) -> List[Patch]:
         return [self.patches[i] for i in self._select_ids(ids)]
@@ -177,7 +151,7 @@ class Registry:
         with self._lock:
             ids = list(self._ids_by_module.get(getattr(module, "__name__", ""), ()))
         try:
-            ids = self._stack_order(ids)  # (loads the records: they are applied now anyway)
+            ids = stack_order(self.patches, ids)  # (loads the records: they are applied now anyway)
         except Exception as exc:  # pragma: no cover - a record that cannot load: _apply reports it
             _logger().exception("metapatch: cannot order the patches of %s: %s", module.__name__, exc)
         for patch_id in ids:
@@ -236,7 +210,7 @@ class Registry:
         with self._lock:
             lifted = self._lift_for(patch, module)
         if lifted:  # patches that wrap over this one were there first: rebuild the stack in order
-            for patch_id in self._stack_order([patch.id, *lifted]):
+            for patch_id in stack_order(self.patches, [patch.id, *lifted]):
                 self._apply_here(self.patches[patch_id], module, late and patch_id == patch.id)
             return
         self._apply_here(patch, module, late)
@@ -253,9 +227,9 @@ class Registry:
             if gate is None:
                 gate = self.gate(patch)
             try:
-                plan, trouble = self._plan(patch, module, status, gate)
+                swaps, trouble = plan(patch, module, status, gate)
                 with self._lock:
-                    problem = self._commit(patch, status, gate, plan, trouble, late, messages)
+                    problem = self._commit(patch, status, gate, swaps, trouble, late, messages)
                 break
             except Retry:  # another thread changed the target or the status meanwhile: again
                 continue
@@ -264,55 +238,6 @@ class Registry:
             self._warn_once(key, message, skip)
         if problem is not None:
             raise problem
-
-    def _plan(self, patch: Patch, module: Any, status: PatchStatus, gate: Gate
-              ) -> Tuple[List[Planned], Optional[Tuple[State, str]]]:
-        """Everything that may import or run patch code, without the lock. Returns the planned
-        swaps and, if a target cannot be patched, (state, reason) for the whole patch."""
-        plan: List[Planned] = []
-        if not gate.affected:
-            return plan, None
-        for target in patch.targets:
-            if target.module != module.__name__:
-                continue
-            try:
-                parent, attr, current = resolve(module, target.qualname)
-            except AttributeError as exc:
-                owner = replaced_by(module, target)  # a class on the path replaced by one without it
-                if owner is not None:
-                    return plan, (State.CONFLICT, conflict_reason(target, owner))
-                return plan, (State.STALE, f"{target.dotted} not found ({exc})")
-            owner = replaced_by(module, target, current)
-            if owner is not None:
-                return plan, (State.CONFLICT, conflict_reason(target, owner))
-            site = status.sites.get(target.dotted)
-            if site is not None and site.parent is parent and site.holds_installed():
-                continue
-            marker = getattr(current, MARKER, None)
-            if marker is not None and marker[0] == patch.id:
-                # Installed by an earlier registry (metapatch reloaded): adopt it, never wrap twice.
-                plan.append(Planned(target, parent, attr, marker[2], current, adopt=True))
-                continue
-            try:
-                found = fingerprint(current)
-            except (OSError, TypeError, SyntaxError) as exc:
-                return plan, (State.STALE, f"cannot read the source of {target.dotted}: {exc}")
-            if found not in target.fingerprints:
-                return plan, (State.STALE,
-                              f"{target.dotted} changed upstream (source fingerprint {found}, patch written for "
-                              f"{', '.join(target.fingerprints)}); skipped rather than patched blindly")
-            try:
-                if target.wrapper is not None:
-                    import wrapt
-
-                    installed = wrapt.FunctionWrapper(current, target.wrapper)
-                else:
-                    installed = target.replacement(current)
-                setattr(installed, MARKER, (patch.id, target.dotted, current))
-            except Exception as exc:
-                return plan, (State.FAILED, f"{type(exc).__name__}: {exc}")
-            plan.append(Planned(target, parent, attr, current, installed, adopt=False))
-        return plan, None
 
     def _commit(self, patch: Patch, status: PatchStatus, gate: Gate, plan: List[Planned],
                 trouble: Optional[Tuple[State, str]], late: bool, messages: List[Tuple[Any, str]]
@@ -355,21 +280,7 @@ class Registry:
         """Under the lock: when a patch that declares it wraps over ``patch`` already holds one of
         ``patch``'s targets in ``module``, take every metapatch patch there off (outermost first) and
         return their ids, so that the stack is rebuilt in order. Otherwise nothing changes: []."""
-        stacked: List[str] = []
-        for target in patch.targets:
-            if target.module != module.__name__:
-                continue
-            try:
-                current = resolve(module, target.qualname)[2]
-            except AttributeError:
-                continue
-            for _ in range(8):
-                marker = getattr(current, MARKER, None)
-                if not isinstance(marker, tuple) or len(marker) < 3 or marker[0] == patch.id:
-                    break
-                stacked.append(marker[0])
-                current = marker[2]
-        stacked = [other for other in dict.fromkeys(stacked) if other in self._status and other in self.patches]
+        stacked = [other for other in stacked_at(patch, module) if other in self._status and other in self.patches]
         if not any(patch.id in self.patches[other].wraps_over for other in stacked):
             return []
         lifted = stacked
@@ -397,7 +308,7 @@ class Registry:
         return above
 
     def _put_back(self, lifted: List[str]) -> None:
-        for patch_id in self._stack_order(lifted):
+        for patch_id in stack_order(self.patches, lifted):
             for module_name in self.patches[patch_id].modules:
                 module = self._imported(module_name)
                 if module is not None:
