@@ -207,11 +207,13 @@ class Registry:
         fingerprints, the patch's own factories), swap and record (locked), then warn (unlocked)."""
         for module_name in patch.modules:  # no-op unless the index missed one of the record's modules
             self._hook(module_name, patch.id)
-        with self._lock:
-            lifted = self._lift_for(patch, module)
+        lifted = self._lift_for(patch, module)
         if lifted:  # patches that wrap over this one were there first: rebuild the stack in order
             for patch_id in stack_order(self.patches, [patch.id, *lifted]):
-                self._apply_here(self.patches[patch_id], module, late and patch_id == patch.id)
+                if patch_id == patch.id:
+                    self._apply_here(patch, module, late)
+                else:
+                    self._put_back([patch_id])
             return
         self._apply_here(patch, module, late)
 
@@ -277,15 +279,17 @@ class Registry:
     # -- stacks: two patches of one target ---------------------------------------------------------
 
     def _lift_for(self, patch: Patch, module: Any) -> List[str]:
-        """Under the lock: when a patch that declares it wraps over ``patch`` already holds one of
-        ``patch``'s targets in ``module``, take every metapatch patch there off (outermost first) and
-        return their ids, so that the stack is rebuilt in order. Otherwise nothing changes: []."""
-        stacked = [other for other in stacked_at(patch, module) if other in self._status and other in self.patches]
+        """When a patch that declares it wraps over ``patch`` already holds one of ``patch``'s targets
+        in ``module``, take every metapatch patch there off (outermost first) and return their ids, so
+        that the stack is rebuilt in order. Otherwise nothing changes: []. Reads the targets and the
+        records unlocked (either may import), lifts under the lock."""
+        stacked = [other for other in stacked_at(patch, module) if other in self.patches]
         if not any(patch.id in self.patches[other].wraps_over for other in stacked):
             return []
-        lifted = stacked
-        for other in lifted:
-            self._lift(other)
+        with self._lock:
+            lifted = [other for other in stacked if other in self._status]
+            for other in lifted:
+                self._lift(other)
         return lifted
 
     def _lift(self, patch_id: str) -> None:
