@@ -60,6 +60,10 @@ class Registry:
     def _version(self, dist: str) -> Optional[str]:
         return self._gating.version(dist)
 
+    @property
+    def _versions(self) -> Dict[str, Optional[str]]:  # installed versions read so far (tests set them)
+        return self._gating._versions
+
     def gate(self, patch: Patch) -> Gate:
         """Whether ``patch`` is to be applied on this install, and why (the version gate alone:
         nothing is imported or patched). Public: the CLI, the reports and the tests ask it."""
