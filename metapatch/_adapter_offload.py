@@ -33,14 +33,14 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator, List, Optional, Tuple
 
-from metapatch import _offload_store
+from metapatch import _hook_state, _offload_store
 from metapatch._records import MetapatchError
 
 
 def offload_hook(module: Any) -> Optional[Any]:
     """The accelerate ``AlignDevicesHook`` that offloads ``module``'s own weights, if any (also found
-    inside a ``SequentialHook``): :func:`metapatch._offload_store.offload_hook`, the one reader."""
-    return _offload_store.offload_hook(module)
+    inside a ``SequentialHook``): :func:`metapatch._hook_state.offload_hook`, the one reader."""
+    return _hook_state.offload_hook(module)
 
 
 def _held(hook: Any) -> bool:
@@ -284,11 +284,7 @@ def _keep_quant_state_of(module: Any) -> None:
 
 
 def _hold_hook_of(layer: Any) -> Optional[HoldBaseLayerHook]:
-    from accelerate.hooks import SequentialHook
-
-    hook = layer.__dict__.get("_hf_hook")
-    hooks = list(hook.hooks) if isinstance(hook, SequentialHook) else [hook]
-    return next((h for h in hooks if isinstance(h, HoldBaseLayerHook)), None)
+    return next((h for h in _hook_state.hooks_on(layer) if isinstance(h, HoldBaseLayerHook)), None)
 
 
 def _trainable_copies_in_memory(wrappers: List[Tuple[str, Any]]) -> int:

@@ -20,7 +20,7 @@ placeholders without onloading it (transformers' loader materialises them on ``c
 :meth:`Operation.watch_loads` onloads an offloaded module just before ``load_state_dict`` copies into it
 (a copy into a ``meta`` placeholder is a no-op).
 
-This module is also the one reader of accelerate's hook state (:func:`offload_hook`). Nothing here
+Which hook offloads a module is read by :mod:`metapatch._hook_state`, for everyone. Nothing here
 imports accelerate before a hook exists: a process that never imported ``accelerate.hooks`` has none.
 """
 
@@ -28,30 +28,17 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import sys
 from collections.abc import Mapping
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from metapatch._records import MetapatchError
 
 
-def _hooks_module() -> Any:
-    return sys.modules.get("accelerate.hooks")
-
-
 def offload_hook(module: Any) -> Optional[Any]:
-    """The accelerate ``AlignDevicesHook`` that offloads ``module``'s own tensors (also inside a
-    ``SequentialHook``), or None. Reads only ``module.__dict__``: no attribute of the module runs."""
-    hooks_module = _hooks_module()
-    hook = getattr(module, "__dict__", {}).get("_hf_hook")
-    if hooks_module is None or hook is None:
-        return None
-    chain = hook.hooks if isinstance(hook, hooks_module.SequentialHook) else (hook,)
-    for candidate in chain:
-        if isinstance(candidate, hooks_module.AlignDevicesHook) and candidate.offload \
-                and candidate.weights_map is not None:
-            return candidate
-    return None
+    """The accelerate ``AlignDevicesHook`` that offloads ``module``'s own tensors: :func:`metapatch._hook_state.offload_hook`."""
+    from metapatch._hook_state import offload_hook as read
+
+    return read(module)
 
 
 def hook_tensors(module: Any, hook: Any) -> List[Tuple[str, Any]]:

@@ -15,18 +15,9 @@ Nothing here imports accelerate: a process that never imported ``accelerate.hook
 from __future__ import annotations
 
 import contextlib
-import sys
 from typing import Any, Callable, Iterator, List, Tuple
 
-
-def offload_hooks(module: Any) -> List[Any]:
-    """The accelerate hooks on ``module`` itself that offload its weights (currently offloading)."""
-    hooks_module = sys.modules.get("accelerate.hooks")
-    hook = module.__dict__.get("_hf_hook") if module is not None else None
-    if hooks_module is None or hook is None:
-        return []
-    chain = hook.hooks if isinstance(hook, hooks_module.SequentialHook) else (hook,)
-    return [h for h in chain if isinstance(h, hooks_module.AlignDevicesHook) and h.offload]
+from metapatch._hook_state import offload_hooks  # noqa: F401 - re-exported: patches import it from here
 
 
 @contextlib.contextmanager

@@ -81,6 +81,24 @@ class LazyPatches(Mapping):
         return len(self._order)
 
 
+def index_of_records(package: str = "metapatch.patches") -> Dict[str, Tuple[str, Tuple[str, ...]]]:
+    """The ``INDEX`` the records of ``package`` give (imports every patch module): what
+    ``python -m metapatch.patches --write`` puts into the package's ``__init__.py``."""
+    import importlib
+
+    pkg = importlib.import_module(package)
+    index = {}
+    for name in _patch_module_names(pkg):
+        patch = getattr(importlib.import_module(f"{package}.{name}"), "PATCH", None)
+        if isinstance(patch, Patch):
+            index[patch.id] = (name, patch.modules)
+    return index
+
+
+def render_index(index: Dict[str, Tuple[str, Tuple[str, ...]]]) -> str:
+    return "INDEX = {\n" + "".join(f"    {pid!r}: {entry!r},\n" for pid, entry in index.items()) + "}\n"
+
+
 def lazy_patches(package: str = "metapatch.patches") -> LazyPatches:
     """:func:`load_patches`, but patch modules listed in the package's ``INDEX`` load on demand."""
     import importlib

@@ -72,6 +72,34 @@ class Target:
         return f"{self.module}:{self.qualname}"
 
 
+class Project:
+    """An upstream project metapatch patches: the GitHub repository of an import package, and the folder
+    of the repository the package lives in (``src/`` unless given: gguf is llama.cpp's ``gguf-py/``)."""
+
+    __slots__ = ("package", "repository", "package_folder")
+
+    def __init__(self, package: str, repository: str, package_folder: str = "src/") -> None:
+        self.package, self.repository, self.package_folder = package, repository, package_folder
+
+    def __repr__(self) -> str:
+        return f"Project({self.package!r}, {self.repository!r})"
+
+
+# Read by the diff checks (where a diff's package sections are) and `metapatch pr` (where the PR goes).
+PROJECTS = {project.package: project for project in (
+    Project("accelerate", "huggingface/accelerate"),
+    Project("peft", "huggingface/peft"),
+    Project("transformers", "huggingface/transformers"),
+    Project("bitsandbytes", "bitsandbytes-foundation/bitsandbytes"),
+    Project("gguf", "ggml-org/llama.cpp", package_folder="gguf-py/"),
+)}
+
+
+def project_of(package: str) -> Project:
+    """The record of ``package``'s upstream project; an unknown one (a test's fake) has no repository."""
+    return PROJECTS.get(package) or Project(package, "")
+
+
 class Upstream:
     """Where the real fix lives. ``forwarded`` follows DEP-3: "no", "not-needed" or a URL."""
 
@@ -98,13 +126,28 @@ class Patch:
     listed distribution is installed at a version inside its range (pre-releases, dev and local
     builds included). Leave the upper end open while no upstream release has the fix: the
     fingerprints notice when upstream changes the code instead.
+
+    ``wraps_over`` names the patches whose replacements this one goes over where both replace one
+    target (each for its own bug): the registry applies those first, keeps that order whichever is
+    imported or installed first, and takes this one off and puts it back when one of them is unpatched.
+
+    ``diffs`` are found in ``upstream_diffs/<id>/`` (:func:`metapatch._diff_files.diff_paths_of`) unless
+    the record lists them (a test's fake patch, whose diffs live elsewhere).
+
+    ``selftest`` is the selftest module of the patch's own scenarios (``Scenario.patch_id``); a record
+    names one only when it has no scenario of its own and is exercised by another patch's.
+
+    ``diagnoses`` lists the :func:`metapatch.diagnose` finding codes this patch fixes, so that a
+    finding names it (``"tied-split"``, ``"offloaded"``).
     """
 
-    __slots__ = ("id", "title", "affects", "targets", "upstream", "diffs", "selftest")
+    __slots__ = ("id", "title", "affects", "targets", "upstream", "_diffs", "_selftest", "wraps_over",
+                 "diagnoses")
 
     def __init__(self, id: str, title: str, affects: Mapping[str, str], targets: Tuple[Target, ...], *,  # noqa: A002
-                 upstream: Optional[Upstream] = None, diffs: Tuple[str, ...] = (),
-                 selftest: Optional[str] = None) -> None:
+                 upstream: Optional[Upstream] = None, diffs: Optional[Tuple[str, ...]] = None,
+                 selftest: Optional[str] = None, wraps_over: Tuple[str, ...] = (),
+                 diagnoses: Tuple[str, ...] = ()) -> None:
         if not targets:
             raise ValueError(f"patch {id!r} has no targets")
         self.id = id
@@ -112,11 +155,31 @@ class Patch:
         self.affects = dict(affects)
         self.targets = tuple(targets)
         self.upstream = upstream or Upstream()
-        self.diffs = tuple(diffs)
-        self.selftest = selftest
+        self._diffs = None if diffs is None else tuple(diffs)
+        self._selftest = selftest
+        self.wraps_over = (wraps_over,) if isinstance(wraps_over, str) else tuple(wraps_over)
+        self.diagnoses = (diagnoses,) if isinstance(diagnoses, str) else tuple(diagnoses)
 
     def __repr__(self) -> str:
         return f"Patch({self.id!r})"
+
+    @property
+    def diffs(self) -> Tuple[str, ...]:
+        """``upstream_diffs/<id>/<package>[-<N>-<slug>].diff`` paths, in series order."""
+        if self._diffs is not None:
+            return self._diffs
+        from ._diff_files import diff_paths_of  # (only when asked: status, the diff commands)
+
+        return diff_paths_of(self.id)
+
+    @property
+    def selftest(self) -> Optional[str]:
+        """The module holding the patch's reproducers (imports the selftest modules when not declared)."""
+        if self._selftest is not None:
+            return self._selftest
+        from .selftest import all_scenarios  # cheap by convention: scenarios import torch when they run
+
+        return next((s.function.partition(":")[0] for s in all_scenarios() if s.patch_id == self.id), None)
 
     @property
     def modules(self) -> Tuple[str, ...]:

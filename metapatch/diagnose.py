@@ -14,250 +14,28 @@ involved, the metapatch patch that fixes it (and that patch's state here) or the
 * ``quant-state-meta``: bitsandbytes 4-bit quant states with tensors on meta;
 * ``offloaded`` (info): modules whose weights live on CPU/disk behind offload hooks.
 
-Nothing here changes the model. torch is imported only by the callers (the model exists).
+Nothing here changes the model. torch is imported only by the callers (the model exists). A finding
+names the patch whose record lists its code in ``Patch.diagnoses``; the report's shape is
+:mod:`metapatch._diagnosis_report`, the reading of placements :mod:`metapatch._model_placement`.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional
 
-ERROR, WARNING, INFO = "error", "warning", "info"
-_SHOWN = 8  # names listed per finding in the text report (all of them are in to_dict())
-
-
-@dataclass
-class Finding:
-    code: str
-    severity: str
-    summary: str
-    items: List[str] = field(default_factory=list)
-    fix: str = ""
-    patch: Optional[str] = None
-    patch_state: Optional[str] = None
-
-    def lines(self) -> List[str]:
-        out = [f"[{self.severity}] {self.code}: {self.summary}"]
-        if self.items:
-            shown = ", ".join(self.items[:_SHOWN])
-            more = f" (and {len(self.items) - _SHOWN} more)" if len(self.items) > _SHOWN else ""
-            out.append(f"    {shown}{more}")
-        if self.patch:
-            out.append(f"    metapatch fix: {self.patch} ({self.patch_state or 'not shipped in this build'})")
-        if self.fix:
-            out.append(f"    what to do: {self.fix}")
-        return out
-
-
-@dataclass
-class Report:
-    model_class: str
-    devices: Dict[str, int]  # device -> number of parameters there (meta counted as "meta")
-    has_hf_device_map: bool
-    findings: List[Finding] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        """No error or warning findings (info findings, such as offloaded modules, are fine)."""
-        return not any(f.severity in (ERROR, WARNING) for f in self.findings)
-
-    def codes(self) -> List[str]:
-        return [f.code for f in self.findings]
-
-    def finding(self, code: str) -> Optional[Finding]:
-        return next((f for f in self.findings if f.code == code), None)
-
-    def to_dict(self) -> Dict[str, Any]:
-        data = asdict(self)
-        data["ok"] = self.ok
-        return data
-
-    def to_json(self, **kwargs: Any) -> str:
-        return json.dumps(self.to_dict(), **{"indent": 2, **kwargs})
-
-    def __str__(self) -> str:
-        devices = ", ".join(f"{d}: {n}" for d, n in self.devices.items()) or "no parameters"
-        out = [f"metapatch diagnosis of {self.model_class}",
-               f"  parameters per device: {devices}",
-               f"  hf_device_map: {'present' if self.has_hf_device_map else 'absent'}"]
-        if not self.findings:
-            out.append("  no problems found")
-        for finding in self.findings:
-            out.extend("  " + line for line in finding.lines())
-        out.append("  verdict: " + ("ok" if self.ok else "problems found"))
-        return "\n".join(out)
-
-
-# -- accelerate hooks ----------------------------------------------------------------------------
-
-
-def _hooks_of(module: Any) -> List[Any]:
-    hook = module.__dict__.get("_hf_hook")
-    if hook is None:
-        return []
-    return list(getattr(hook, "hooks", None) or (hook,))
-
-
-def _align_hooks(module: Any) -> List[Any]:
-    hooks_module = sys.modules.get("accelerate.hooks")
-    if hooks_module is None:
-        return []
-    return [h for h in _hooks_of(module) if isinstance(h, hooks_module.AlignDevicesHook)]
-
-
-def _offload_hooks(module: Any) -> List[Any]:
-    return [h for h in _align_hooks(module) if h.offload]
-
-
-class _WeightsMapKeys:
-    """Membership in an offload hook's weights_map without loading tensors from disk."""
-
-    def __init__(self) -> None:
-        self._keys: Dict[int, frozenset] = {}
-
-    def contains(self, weights_map: Any, key: str) -> bool:
-        prefix = ""
-        if hasattr(weights_map, "prefix") and hasattr(weights_map, "dataset"):  # accelerate's PrefixedDataset
-            prefix, weights_map = weights_map.prefix, weights_map.dataset
-        if weights_map is None:
-            return False
-        cache_key = id(weights_map)
-        if cache_key not in self._keys:
-            if hasattr(weights_map, "all_keys"):  # OffloadedWeightsLoader: RAM state dict + disk index
-                self._keys[cache_key] = frozenset(weights_map.all_keys)
-            elif isinstance(weights_map, Mapping):
-                self._keys[cache_key] = frozenset(weights_map.keys())
-            else:
-                return True  # an unknown store: trust it
-        return prefix + key in self._keys[cache_key]
-
-
-def _module_tensors(module: Any, recurse: bool, buffers: bool) -> Iterator[Tuple[str, Any]]:
-    yield from module.named_parameters(recurse=recurse)
-    if buffers:
-        yield from module.named_buffers(recurse=recurse)
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix and name else prefix or name
-
-
-def _covered_meta(model: Any) -> Tuple[set, Dict[str, Any]]:
-    """(names of meta tensors an offload hook will fill, {offloaded module name: hook})."""
-    keys = _WeightsMapKeys()
-    covered, offloaded = set(), {}
-    for module_name, module in model.named_modules():
-        for hook in _offload_hooks(module):
-            recurse = bool(hook.place_submodules)
-            hits = [n for n, t in _module_tensors(module, recurse, bool(hook.offload_buffers))
-                    if t.is_meta and keys.contains(hook.weights_map, n)]
-            if hits:
-                offloaded[module_name] = hook
-                covered.update(_join(module_name, n) for n in hits)
-    return covered, offloaded
-
-
-def _storage(hook: Any) -> str:
-    weights = getattr(hook, "weights_map", None)
-    loader = getattr(weights, "dataset", None)
-    index = getattr(loader, "index", None) or {}
-    prefix = getattr(weights, "prefix", "")
-    return "disk" if any(k.startswith(prefix) for k in index) else "cpu"
-
-
-def _collapse(names: Iterable[str]) -> List[str]:
-    """Drop names whose parent module is listed too: "model.layers.2" stands for its linears."""
-    names = set(names)
-    if "" in names:
-        return [""]  # the model itself covers everything below it
-    ordered = sorted(names, key=lambda n: (n.count("."), n))
-    kept: List[str] = []
-    for name in ordered:
-        if not any(name == k or name.startswith(k + ".") for k in kept):
-            kept.append(name)
-    return sorted(kept, key=_natural)
-
-
-def _natural(name: str) -> List[Any]:
-    return [int(p) if p.isdigit() else p for p in name.split(".")]
-
-
-# -- where things are ------------------------------------------------------------------------------
-
-
-def _device_map_owner(model: Any) -> Tuple[str, Optional[Mapping[str, Any]]]:
-    """(prefix, hf_device_map) of the outermost module carrying one (a PeftModel's base model has it)."""
-    for prefix, module in model.named_modules():
-        device_map = module.__dict__.get("hf_device_map")
-        if isinstance(device_map, Mapping):
-            return prefix, device_map
-    return "", None
-
-
-def _entry_of(device_map: Mapping[str, Any], name: str) -> Optional[str]:
-    from metapatch._tied_groups import entry_of
-
-    return entry_of(device_map, name)
-
-
-def _placements(model: Any) -> Dict[str, str]:
-    """Where each parameter lives for computation: its hf_device_map entry when there is one,
-    otherwise its offload hook's storage, otherwise its tensor's device."""
-    prefix, device_map = _device_map_owner(model)
-    _, offloaded = _covered_meta(model)
-    result = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        place = None
-        if device_map is not None and (not prefix or name.startswith(prefix + ".")):
-            key = _entry_of(device_map, name[len(prefix) + 1:] if prefix else name)
-            if key is not None:
-                place = str(device_map[key])
-        if place is None:
-            owner = max((m for m in offloaded if not m or name.startswith(m + ".")), key=len, default=None)
-            place = _storage(offloaded[owner]) if owner is not None else str(param.device)
-        result[name] = place
-    return result
-
-
-def _norm_device(value: Any) -> str:
-    text = str(value)
-    return f"cuda:{text}" if text.isdigit() else text
-
-
-# -- the checks --------------------------------------------------------------------------------------
-
-
-def _patch_state(patch_id: str) -> Optional[str]:
-    try:
-        import metapatch
-    except ImportError:  # pragma: no cover
-        return None
-    for row in metapatch.status():
-        if row["id"] == patch_id:
-            return row["state"]
-    return None
-
-
-def _patch_ids(prefix: str) -> List[str]:
-    import metapatch
-
-    return [row["id"] for row in metapatch.status() if row["id"].startswith(prefix)]
-
-
-def _with_patch(finding: Finding, patch_id: Optional[str]) -> Finding:
-    if patch_id:
-        finding.patch, finding.patch_state = patch_id, _patch_state(patch_id)
-    return finding
-
+from ._diagnosis_report import ERROR, INFO, WARNING, Finding, Report, with_patch
+from ._hook_state import align_hooks
+from ._hook_state import storage as _storage
+from ._model_placement import (_collapse, _covered_meta, _device_map_owner, _fully_offloaded_roots, _join,
+                               _norm_device, _placements, tied_groups_of)
 
 def check_meta_unfilled(model: Any, covered: set) -> Optional[Finding]:
     names = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta and n not in covered]
     if not names:
         return None
-    tied = {m for group in _tied_groups(model) for m in group}
+    tied = {m for group in tied_groups_of(model) for m in group}
     tied_hits = [n for n in names if n in tied]
     finding = Finding(
         "meta-unfilled", ERROR,
@@ -269,7 +47,7 @@ def check_meta_unfilled(model: Any, covered: set) -> Optional[Finding]:
              "place every module (device_map='auto' leaves modules unplaced when tied weights are split)"))
     if tied_hits:
         finding.summary += f"; {len(tied_hits)} of them are tied weights"
-        return _with_patch(finding, next(iter(_patch_ids("tied-device-map")), "tied-device-map-transformers"))
+        return with_patch(finding, "tied-split")  # the tie was split by the map: the map's repair fixes it
     return finding
 
 
@@ -278,7 +56,7 @@ def check_no_device_map(model: Any, placements: Mapping[str, str], offloaded: Ma
     if device_map is not None:
         return None
     devices = {d for d in placements.values()}
-    hooked = any(_align_hooks(m) for m in model.modules())
+    hooked = any(align_hooks(m) for m in model.modules())
     if len(devices) < 2 and not offloaded and "meta" not in devices and not hooked:
         return None
     finding = Finding(
@@ -289,7 +67,7 @@ def check_no_device_map(model: Any, placements: Mapping[str, str], offloaded: Ma
         fix=("load with from_pretrained(..., device_map=...) so that transformers records hf_device_map; if that "
              "still leaves it out, the automatic map failed (often on regex tied weights): pass an explicit "
              "device_map dict naming every top-level module"))
-    return _with_patch(finding, next(iter(_patch_ids("tied-device-map")), None))
+    return with_patch(finding)
 
 
 def check_model_device(model: Any) -> Optional[Finding]:
@@ -308,9 +86,7 @@ def check_model_device(model: Any) -> Optional[Finding]:
              f"to the input embeddings' execution device: inputs.to({target!r})"
              if target else "import metapatch (offloaded-model-device), or move inputs to the device that holds "
              "the input embeddings"))
-    # The patch that answers it (the -v4 sibling on transformers 4.57): whichever this install has.
-    ids = [i for i in _patch_ids("offloaded-model-device") if _patch_state(i) != "not-affected"]
-    return _with_patch(finding, next(iter(ids or _patch_ids("offloaded-model-device")), None))
+    return with_patch(finding)  # (the -v4 sibling on transformers 4.57: whichever this install has)
 
 
 def _input_device(model: Any) -> Optional[str]:
@@ -321,27 +97,16 @@ def _input_device(model: Any) -> Optional[str]:
         embeddings = None
     if embeddings is None:
         return None
-    for hook in _align_hooks(embeddings):
+    for hook in align_hooks(embeddings):
         if hook.execution_device is not None:
             return _norm_device(hook.execution_device)
     weight = getattr(embeddings, "weight", None)
     return None if weight is None or weight.is_meta else str(weight.device)
 
 
-def _tied_groups(model: Any) -> List[Tuple[str, ...]]:
-    try:
-        from metapatch._tied_groups import tied_groups
-    except ImportError:  # pragma: no cover - fallback: identity only
-        by_id: Dict[int, List[str]] = defaultdict(list)
-        for name, param in model.named_parameters(remove_duplicate=False):
-            by_id[id(param)].append(name)
-        return [tuple(v) for v in by_id.values() if len(v) > 1]
-    return tied_groups(model)
-
-
 def check_tied_split(model: Any, placements: Mapping[str, str]) -> Optional[Finding]:
     split = []
-    for group in _tied_groups(model):
+    for group in tied_groups_of(model):
         where = {m: placements.get(m) for m in group if m in placements}
         if len(set(where.values())) > 1:
             split.append(" + ".join(f"{m} ({d})" for m, d in where.items()))
@@ -352,7 +117,7 @@ def check_tied_split(model: Any, placements: Mapping[str, str]) -> Optional[Find
         f"{len(split)} tied group(s) are placed on different devices: the copies diverge or stay on meta",
         split,
         fix="put every member of a tied group on one device in the device_map (or let metapatch repair the map)")
-    return _with_patch(finding, next(iter(_patch_ids("tied-device-map")), "tied-device-map-transformers"))
+    return with_patch(finding)
 
 
 def _as_set(keys: Any) -> set:
@@ -370,7 +135,7 @@ def check_skip_keys(model: Any) -> Optional[Finding]:
     lacking: Dict[str, List[str]] = defaultdict(list)  # missing keys -> module names
     count = 0
     for name, module in model.named_modules():
-        for hook in _align_hooks(module):
+        for hook in align_hooks(module):
             missing = wanted - _as_set(hook.skip_keys)
             if missing:
                 lacking[", ".join(sorted(missing))].append(name)
@@ -385,7 +150,7 @@ def check_skip_keys(model: Any) -> Optional[Finding]:
         f"({', '.join(sorted(wanted))}): the cache is moved to each module's device every step",
         items,
         fix="dispatch with skip_keys=model._skip_keys_device_placement (re-dispatch by PEFT/dispatch_model drops it)")
-    return _with_patch(finding, "accelerate-dispatch-skip-keys")
+    return with_patch(finding)
 
 
 def _quant_state_meta(state: Any, depth: int = 0) -> List[str]:
@@ -421,24 +186,7 @@ def check_quant_state(model: Any, covered: set) -> Optional[Finding]:
         "\"Tensor.item() cannot be called on meta tensors\"",
         hits,
         fix="load with bnb_4bit_use_double_quant=False, or keep the quantized modules off CPU/disk offload")
-    return _with_patch(finding, "bnb-quant-state-offload")
-
-
-def _fully_offloaded_roots(model: Any, covered: set) -> List[str]:
-    """The highest modules whose every tensor is an offloaded placeholder: "model.layers.2" rather
-    than its nine linears and norms."""
-    found: List[str] = []
-
-    def visit(name: str, module: Any) -> None:
-        tensors = [_join(name, n) for n, _ in _module_tensors(module, True, True)]
-        if tensors and all(t in covered for t in tensors):
-            found.append(name or "(model)")
-            return
-        for child, sub in module.named_children():
-            visit(_join(name, child), sub)
-
-    visit("", model)
-    return found
+    return with_patch(finding)
 
 
 def offloaded_info(model: Any, covered: set, offloaded: Mapping[str, Any]) -> Optional[Finding]:
@@ -457,7 +205,7 @@ def offloaded_info(model: Any, covered: set, offloaded: Mapping[str, Any]) -> Op
         [f"{root} ({storage[root]})" for root in roots] or _collapse(offloaded),
         fix=("do not move this model with .to()/.cuda(); move only the inputs. For speed, give the GPU(s) more "
              "max_memory or use a smaller dtype/quantization"))
-    return _with_patch(finding, "offloaded-move-guard")
+    return with_patch(finding)
 
 
 def diagnose(model: Any) -> Report:

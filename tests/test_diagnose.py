@@ -4,6 +4,7 @@ tensors/modules and the patch or action, and stays quiet on a healthy model."""
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 
 import pytest
@@ -204,3 +205,19 @@ def test_diagnose_does_not_change_the_model(checkpoints, tmp_path):
 def test_rejects_what_is_not_a_model():
     with pytest.raises(metapatch.MetapatchError, match="torch.nn.Module"):
         diagnose({"model.layers.0": "cpu"})
+
+
+def test_findings_name_their_patch_through_the_records():
+    # diagnose names no patch id itself: a record lists the finding codes it fixes (Patch.diagnoses).
+    import inspect
+
+    from metapatch import _diagnosis_report
+    from metapatch._registry import load_patches
+
+    records = load_patches()
+    declared = {code for patch in records for code in patch.diagnoses}
+    assert declared <= set(_diagnosis_report.CODES)
+    # meta-unfilled names the tied-split fixer, and only when the unfilled tensors are tied
+    assert declared == set(_diagnosis_report.CODES) - {"meta-unfilled"}
+    source = inspect.getsource(importlib.import_module("metapatch.diagnose"))
+    assert not [p.id for p in records if f'"{p.id}"' in source]

@@ -469,21 +469,22 @@ def test_python_dash_m_status_runs():
 
 def test_patch_index_matches_the_records():
     # metapatch.patches.INDEX lets `import metapatch` register hooks without importing patch modules;
-    # it must name exactly what the records say.
+    # it is generated from the records (python -m metapatch.patches --write) and must name exactly
+    # what they say.
     import importlib
 
-    from metapatch._registry import _patch_module_names, load_patches
+    from metapatch._patch_loading import index_of_records, render_index
+    from metapatch._registry import load_patches
 
     pkg = importlib.import_module("metapatch.patches")
-    records = {}
-    for name in _patch_module_names(pkg):
-        patch = getattr(importlib.import_module(f"metapatch.patches.{name}"), "PATCH", None)
-        if patch is not None:
-            records[patch.id] = (name, patch.modules)
-    expected = "INDEX = {\n" + "".join(f"    {pid!r}: {entry!r},\n" for pid, entry in records.items()) + "}"
+    records = index_of_records()
     index = {pid: (module, tuple(targets)) for pid, (module, targets) in pkg.INDEX.items()}
-    assert index == records, f"metapatch/patches/__init__.py is out of date; use:\n{expected}"
+    assert index == records, ("metapatch/patches/__init__.py is out of date: run python -m metapatch.patches "
+                              f"--write, or use:\n{render_index(records)}")
     assert [p.id for p in load_patches()] == list(records)
+    check = subprocess.run([sys.executable, "-m", "metapatch.patches", "--check"], env=_env(REPO),
+                           capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
 
 
 def test_lazy_records_load_with_their_target_only(world, tmp_path):
@@ -541,3 +542,117 @@ def test_two_patches_of_one_target_both_report_applied(world):
     ''')
     assert out["states"] == {"fake-compute": "applied", "fake-compute-twice": "applied"}
     assert out["compute"] == 23  # 2 * 10, + 1, + 2: both wrappers run
+
+
+def _stacked(outer_declares: bool = True) -> dict:
+    """fake-compute and fake-compute-twice on one target; ``wraps_over`` puts -twice outside."""
+    second = PATCHES["p_compute"].replace('id="fake-compute"', 'id="fake-compute-twice"').replace(
+        "_plus_one", "_plus_two").replace("+ 1", "+ 2").replace(',\n                    aliases=("fakelib:compute",)', "")
+    if outer_declares:
+        second = second.replace('upstream=Upstream(', 'wraps_over=("fake-compute",), upstream=Upstream(')
+    # Named so that file order alone would put -twice inside: only the declaration orders the stack.
+    return {"p_z_compute": PATCHES["p_compute"], "p_a_compute_twice": second}
+
+
+def test_stacked_patches_follow_their_declared_order(world):
+    out = world(patches=_stacked())('''
+        reg = Registry(load_patches("fakepatches")); reg.install()
+        import fakelib.core
+        from metapatch._targets import MARKER
+        outer = getattr(fakelib.core.compute, MARKER)[0]
+        print(json.dumps({"outer": outer, "compute": fakelib.core.compute(2)}))
+    ''')
+    assert out == {"outer": "fake-compute-twice", "compute": 23}
+
+
+def test_unpatching_the_inner_patch_of_a_stack_leaves_no_wrapper_inside_the_outer(world):
+    out = world(patches=_stacked())('''
+        reg = Registry(load_patches("fakepatches")); reg.install()
+        import fakelib.core, fakelib
+        steps = {"both": fakelib.core.compute(2)}
+        reg.unpatch(["fake-compute"])
+        steps["inner off"] = fakelib.core.compute(2)
+        steps["inner off states"] = states(reg)
+        reg.install(["fake-compute"])
+        steps["inner back"] = fakelib.core.compute(2)
+        steps["outer after reinstall"] = getattr(fakelib.core.compute, MARKER)[0]
+        reg.unpatch(["fake-compute-twice"])
+        steps["outer off"] = fakelib.core.compute(2)
+        reg.unpatch()
+        steps["all off"] = fakelib.core.compute(2)
+        steps["original back"] = fakelib.core.compute is getattr(sys.modules["fakelib.core"], "compute") \
+            and not hasattr(fakelib.core.compute, MARKER)
+        print(json.dumps(steps))
+    ''')
+    assert out["both"] == 23
+    assert out["inner off"] == 22  # only the outer's +2: the inner wrapper is gone from inside it
+    assert out["inner off states"] == {"fake-compute": "disabled", "fake-compute-twice": "applied"}
+    assert out["inner back"] == 23 and out["outer after reinstall"] == "fake-compute-twice"
+    assert out["outer off"] == 21
+    assert out["all off"] == 20 and out["original back"] is True
+
+
+def test_records_that_list_their_diffs_list_what_their_folder_holds():
+    # Patch.diffs is found in upstream_diffs/<id>/; a record may still list them (older records,
+    # a test's fake patch), and then the two must not drift apart.
+    from metapatch._diff_files import diff_paths_of
+    from metapatch._registry import load_patches
+
+    records = load_patches()
+    listed = {p.id: p._diffs for p in records if p._diffs is not None}
+    assert {pid: diff_paths_of(pid) for pid in listed} == listed
+    assert all(p.diffs == diff_paths_of(p.id) for p in records)
+    assert any(p.diffs for p in records if p._diffs is None)  # the derived ones are really found
+
+
+def test_patches_sharing_a_target_declare_their_order():
+    # Two patches of one target are applied in the order Patch.wraps_over declares; without a
+    # declaration the order would follow file names, and a rename would silently change it.
+    from collections import defaultdict
+
+    from metapatch._registry import load_patches
+
+    records = {p.id: p for p in load_patches()}
+    by_target = defaultdict(list)
+    for patch in records.values():
+        for target in patch.targets:
+            by_target[target.dotted].append(patch.id)
+    undeclared = {dotted: ids for dotted, ids in by_target.items() if len(ids) > 1 and not all(
+        any(a in records[b].wraps_over or b in records[a].wraps_over for b in ids if b != a) for a in ids)
+        and len({tuple(sorted(records[i].affects.items())) for i in ids}) == len(ids)
+        and _ranges_overlap([records[i] for i in ids])}
+    assert undeclared == {}, "declare Patch.wraps_over for " + repr(undeclared)
+    for patch in records.values():
+        assert set(patch.wraps_over) <= set(records), f"{patch.id} wraps over an unknown patch"
+
+
+def _ranges_overlap(patches) -> bool:
+    """Whether some release of every shared distribution is in all the patches' ranges (the -v4
+    siblings of one target never apply together)."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    shared = set.intersection(*(set(p.affects) for p in patches))
+    probes = [Version(f"{major}.{minor}.0") for major in range(0, 8) for minor in range(0, 60)]
+    for dist in shared:
+        if not any(all(SpecifierSet(p.affects[dist]).contains(v, prereleases=True) for p in patches) for v in probes):
+            return False
+    return True
+
+
+def test_patch_selftest_is_the_module_of_its_own_scenarios():
+    # Patch.selftest follows Scenario.patch_id; a record names a module only when the patch has no
+    # scenario of its own (another patch's scenarios exercise it), and then it must hold scenarios.
+    from metapatch._registry import load_patches
+    from metapatch.selftest import all_scenarios
+
+    scenarios = all_scenarios()
+    own = {}
+    for scenario in scenarios:
+        own.setdefault(scenario.patch_id, []).append(scenario.function.partition(":")[0])
+    for patch in load_patches():
+        if patch.id in own:
+            assert patch.selftest in own[patch.id], (patch.id, patch.selftest, own[patch.id])
+        else:
+            assert patch._selftest is not None, f"{patch.id} has no scenario: name the module that exercises it"
+            assert any(s.function.startswith(patch.selftest + ":") for s in scenarios), patch.id

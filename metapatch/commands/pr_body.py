@@ -150,9 +150,9 @@ def reproducer_fields(source: str) -> dict:
 
 
 def _repository_of(diff: Any) -> Optional[str]:
-    from metapatch.commands.pr_checks import REPOSITORIES
+    from metapatch._records import project_of
 
-    return REPOSITORIES.get(diff.package)
+    return project_of(diff.package).repository or None
 
 
 def issue_links(patch: Any, diff: Any) -> "tuple[List[str], List[str]]":

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from metapatch._records import PROJECTS
+
 PASSED, FAILED, SKIPPED, MISSING = "passed", "failed", "skipped", "not collected"
 
 
@@ -327,7 +329,6 @@ def run_checks(base: Path, with_: Path, diff, options: CheckOptions, scratch: Pa
     return report
 
 
-# The GitHub repository of each package's upstream (issue links into another tracker are "related").
-REPOSITORIES = {"accelerate": "huggingface/accelerate", "peft": "huggingface/peft",
-                "transformers": "huggingface/transformers", "bitsandbytes": "bitsandbytes-foundation/bitsandbytes",
-                "gguf": "ggml-org/llama.cpp"}
+# The GitHub repository of each package's upstream (issue links into another tracker are "related"):
+# a view of the project records, for callers that import it from here.
+REPOSITORIES = {name: project.repository for name, project in PROJECTS.items()}

@@ -4,8 +4,8 @@ stay import-cheap: anything from torch or the Hugging Face stack is imported ins
 # patch id -> (module or package in this folder, the modules its targets live in). `import metapatch`
 # registers its import hooks from this table alone and imports a patch module only when one of its
 # target modules is imported (or `metapatch status` asks), which keeps `import metapatch` cheap.
-# tests/test_registry.py checks it against the records and prints the up-to-date table when they
-# differ. A patch module missing here is simply loaded at `import metapatch`: never a lost patch.
+# Generated from the records: `python -m metapatch.patches --write` (tests/test_registry.py fails when
+# it is out of date). A patch module missing here is simply loaded at `import metapatch`: never a lost patch.
 INDEX = {
     'accelerate-dispatch-skip-keys': ('accelerate_dispatch_skip_keys', ('accelerate.big_modeling',)),
     'accelerate-emptiness-probe': ('accelerate_emptiness_probe', ('accelerate.hooks',)),

@@ -70,6 +70,5 @@ PATCH = Patch(
         fixed_in={"transformers": "5.23.0"},
         note="accelerate: dispatch_model's skip_keys defaults to the model's _skip_keys_device_placement",
     ),
-    diffs=("upstream_diffs/accelerate-dispatch-skip-keys/accelerate.diff",),
-    selftest="metapatch.selftest.accelerate_dispatch_skip_keys",
+    diagnoses=("skip-keys-missing",),  # metapatch.diagnose findings this fixes
 )

@@ -77,6 +77,5 @@ PATCH = Patch(
         forwarded="no",
         note="No upstream issue found filed; accelerate 1.15.0 (latest) is affected.",
     ),
-    diffs=("upstream_diffs/accelerate-emptiness-probe/accelerate.diff",),
     selftest="metapatch.selftest.bnb_quant_state_offload",
 )

@@ -100,6 +100,4 @@ PATCH = Patch(
         forwarded="no",
         note="accelerate: fsdp2_load_full_state_dict broadcasts entries that are not DTensors as plain tensors",
     ),
-    diffs=("upstream_diffs/accelerate-fsdp2-plain-buffers/accelerate.diff",),
-    selftest="metapatch.selftest.fsdp_loading",
 )

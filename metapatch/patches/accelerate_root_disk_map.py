@@ -51,6 +51,4 @@ PATCH = Patch(
         forwarded="no",
         note="accelerate: extract_submodules_state_dict treats the root name \"\" as every key",
     ),
-    diffs=("upstream_diffs/accelerate-root-disk-map/accelerate.diff",),
-    selftest="metapatch.selftest.accelerate_root_disk_map",
 )

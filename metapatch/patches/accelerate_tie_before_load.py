@@ -220,6 +220,4 @@ PATCH = Patch(
         note="accelerate: load_checkpoint_in_model (and load_checkpoint_and_dispatch, before inferring the device "
              "map) call model.tie_weights() when the config declares ties that a meta model does not have yet",
     ),
-    diffs=("upstream_diffs/accelerate-tie-before-load/accelerate.diff",),
-    selftest="metapatch.selftest.accelerate_tie_before_load",
 )

@@ -40,7 +40,7 @@ import weakref
 from typing import Any, Dict, Tuple
 
 from metapatch import _bnb_fast_repack
-from metapatch._offloaded_weights import offload_hooks
+from metapatch._hook_state import DISK, locate, offload_hooks
 from metapatch._records import MetapatchError, Patch, Target, Upstream
 
 # The repack kernel's column block (bitsandbytes' default block_n) and the nf4/fp4 types it has.
@@ -100,21 +100,12 @@ def _packed_copy(weight: Any, state: Any) -> Tuple[Any, Any]:
 
 
 def _weight_source(hook: Any) -> Tuple[Any, str, Any]:
-    """(offload folder or None, the weight's key, its entry) in the hook's weights map, or Nones:
-    accelerate's disk loader keeps an index entry per weight, cpu offload the tensor itself."""
-    weights_map = getattr(hook, "weights_map", None)
-    dataset, prefix = getattr(weights_map, "dataset", None), getattr(weights_map, "prefix", None)
-    if dataset is None or prefix is None:
+    """(offload folder or None, the weight's key, its entry) where the hook's weights map holds the
+    weight, or Nones: accelerate's disk loader keeps an index entry per weight, cpu offload the tensor."""
+    found = locate(getattr(hook, "weights_map", None), "weight")
+    if found is None or (found.store == DISK and found.folder is None):
         return None, "", None
-    key = f"{prefix}weight"
-    in_ram = getattr(dataset, "state_dict", dataset if isinstance(dataset, dict) else {})
-    if key in in_ram:
-        return None, key, in_ram[key]
-    index = getattr(dataset, "index", {})
-    folder = getattr(dataset, "save_folder", None)
-    if key in index and folder is not None:
-        return folder, key, index[key]
-    return None, "", None
+    return (found.folder if found.store == DISK else None), found.key, found.entry
 
 
 def _offloaded_packed_copy(module: Any, hook: Any, weight: Any, state: Any) -> Any:
@@ -215,6 +206,4 @@ PATCH = Patch(
              "has no per-offload-source cache (accelerate rebuilds an offloaded parameter at every forward, "
              "so with the diff alone an offloaded layer is repacked at every forward, as upstream does today).",
     ),
-    diffs=("upstream_diffs/bnb-cpu-repack-copy/bitsandbytes.diff",),
-    selftest="metapatch.selftest.bnb_cpu_repack_copy",
 )

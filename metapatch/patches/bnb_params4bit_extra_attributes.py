@@ -70,5 +70,4 @@ PATCH = Patch(
         note="bitsandbytes 0.50.0 added **kwargs to Params4bit.__new__ (this backports it); accelerate "
              "1.14.0 pops _is_hf_initialized before rebuilding the parameter.",
     ),
-    selftest="metapatch.selftest.bnb_params4bit_extra_attributes",
 )

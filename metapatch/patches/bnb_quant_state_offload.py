@@ -179,6 +179,5 @@ PATCH = Patch(
              "CPU-repacked), where this patch keeps it for the state's lifetime; and it has no equivalent of "
              "_follow_live_dtype (only bitsandbytes 0.49.x's matmul_4bit rewrites quant_state.dtype).",
     ),
-    diffs=("upstream_diffs/bnb-quant-state-offload/bitsandbytes.diff",),
-    selftest="metapatch.selftest.bnb_quant_state_offload",
+    diagnoses=("quant-state-meta",),  # metapatch.diagnose findings this fixes
 )

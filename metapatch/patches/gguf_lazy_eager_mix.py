@@ -75,6 +75,4 @@ PATCH = Patch(
         note="Seen converting microsoft/bitnet-b1.58-2B-4T with convert_hf_to_gguf.py (dequant_bitnet); "
              "the issue number is the one a user report cites, not checked against the tracker.",
     ),
-    diffs=("upstream_diffs/gguf-lazy-eager-mix/gguf.diff",),
-    selftest="metapatch.selftest.gguf_lazy_eager_mix",
 )

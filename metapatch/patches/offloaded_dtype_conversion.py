@@ -104,6 +104,4 @@ PATCH = Patch(
         note="accelerate: dispatch_model's guard on model.to refuses only calls that move a tensor; dtype and "
              "memory-format conversions go through (the hooks cast offloaded weights as they load them)",
     ),
-    diffs=("upstream_diffs/offloaded-dtype-conversion/accelerate.diff",),
-    selftest="metapatch.selftest.offloaded_dtype_conversion",
 )

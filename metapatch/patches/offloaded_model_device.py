@@ -113,6 +113,5 @@ PATCH = Patch(
         note="upstream fix: ModuleUtilsMixin.device asks the first parameter's accelerate offload hook for its "
              "execution device when the parameter is a meta placeholder",
     ),
-    diffs=("upstream_diffs/offloaded-model-device/transformers.diff",),
-    selftest="metapatch.selftest.offloaded_model_device",
+    diagnoses=("model-device-meta",),  # metapatch.diagnose findings this fixes
 )

@@ -28,6 +28,5 @@ PATCH = Patch(
         note="transformers 4.57 is a maintenance line; the fix for current releases is "
              "upstream_diffs/offloaded-model-device/transformers.diff.",
     ),
-    diffs=(),
-    selftest="metapatch.selftest.offloaded_model_device_v4",
+    diagnoses=("model-device-meta",),  # metapatch.diagnose findings this fixes
 )

@@ -29,7 +29,7 @@ import sys
 import weakref
 from typing import Any, Callable, List, Optional, Tuple
 
-from metapatch._offloaded_weights import offload_hooks
+from metapatch._hook_state import offload_hooks, storage
 from metapatch._records import MetapatchError, Patch, Target, Upstream
 
 PATCH_ID = "offloaded-move-guard"
@@ -218,18 +218,6 @@ def _collapsed_names(root: Any, offloaded: List[Tuple[str, Any, Any]]) -> List[s
     return found or sorted(offloaded_names)
 
 
-def _storage(hook: Any) -> str:
-    """"disk" or "cpu" for an offload hook's weights_map, when accelerate's loader tells."""
-    weights = getattr(hook, "weights_map", None)
-    loader = getattr(weights, "dataset", None)
-    index = getattr(loader, "index", None)
-    if index:
-        prefix = getattr(weights, "prefix", "")
-        if any(key.startswith(prefix) for key in index):
-            return "disk"
-    return "cpu" if weights is not None else "the offload store"
-
-
 def _caller() -> str:
     """The first frame outside torch.nn and this module: who asked for the move."""
     frame = sys._getframe(2)
@@ -248,7 +236,7 @@ def _caller() -> str:
 def _refusal(root: Any, call: str, device: str, offloaded: List[Tuple[str, Any, Any]]) -> OffloadedMoveError:
     names = _collapsed_names(root, offloaded)
     shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
-    places = sorted({_storage(hook) for _, _, hook in offloaded})
+    places = sorted({storage(hook) for _, _, hook in offloaded})
     return OffloadedMoveError(
         f"metapatch: {type(root).__name__}.{call} would move to {device} weights that accelerate "
         f"offloaded to {' and '.join(places)}: {shown}. Their parameters stay on the meta device and are "
@@ -336,6 +324,5 @@ PATCH = Patch(
         note="upstream fix: offload hooks guard their module's _apply, so every path (submodule .to, "
              "Module.to(model), .cpu(), PeftModel.to, other accelerators) gets a clear error",
     ),
-    diffs=("upstream_diffs/offloaded-move-guard/accelerate.diff",),
-    selftest="metapatch.selftest.offloaded_move_guard",
+    diagnoses=("offloaded",),  # metapatch.diagnose findings this fixes
 )

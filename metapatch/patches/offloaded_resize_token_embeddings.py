@@ -82,7 +82,7 @@ def _has_meta_tensors(module: Any) -> bool:
 def _offloaded_embeddings(model: Any) -> List[Tuple[Any, Any]]:
     """(module, its offload hook) for the input/output embeddings that accelerate offloads; raises where an
     embedding is offloaded only through an ancestor's hook (its weights map is the whole block's)."""
-    from metapatch._adapter_offload import offload_hook
+    from metapatch._hook_state import offload_hook
 
     offloaded = []
     for module in _embedding_modules(model):
@@ -111,8 +111,9 @@ def _onload(module: Any, hook: Any) -> Dict[str, Any]:
 def _carries(module: Any, hook: Any) -> bool:
     """``hook`` is ``module``'s own (also inside a ``SequentialHook``). By identity, not through
     ``offload_hook``: that one only finds hooks with ``offload`` on, which :func:`_onload` has turned off."""
-    attached = getattr(module, "__dict__", {}).get("_hf_hook")
-    return attached is hook or any(h is hook for h in getattr(attached, "hooks", ()) or ())
+    from metapatch._hook_state import hooks_on
+
+    return any(h is hook for h in hooks_on(module))
 
 
 def _current_module(model: Any, old: Any, hook: Any) -> Any:
@@ -235,6 +236,4 @@ PATCH = Patch(
         note="transformers: resize_token_embeddings onloads an offloaded embedding/head for the resize and "
              "re-offloads it with a weights map holding the resized tensors",
     ),
-    diffs=("upstream_diffs/offloaded-resize-token-embeddings/transformers.diff",),
-    selftest="metapatch.selftest.offloaded_resize",
 )

@@ -94,6 +94,5 @@ PATCH = Patch(
         note="Not fixed in accelerate 1.15.0 (latest checked): ties by identity only, IndexError in "
              "get_module_size_with_ties once a tied member is placed before its source.",
     ),
-    diffs=("upstream_diffs/tied-device-map-accelerate/accelerate.diff",),
-    selftest="metapatch.selftest.tied_device_map_accelerate",
+    diagnoses=("tied-split", "no-hf-device-map"),  # metapatch.diagnose findings this fixes
 )

@@ -51,6 +51,5 @@ PATCH = Patch(
         note="transformers 5.13.0 indexes disk-offloaded declared tied weights (measured: 5.12.1 affected, "
              "5.13.1 fixed).",
     ),
-    diffs=(),
-    selftest="metapatch.selftest.tied_device_map_disk_index",
+    diagnoses=("tied-split", "no-hf-device-map"),  # metapatch.diagnose findings this fixes
 )

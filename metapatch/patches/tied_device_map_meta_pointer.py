@@ -46,6 +46,8 @@ PATCH = Patch(
         note="accelerate 1.15.0 skips meta tensors when building tied_params_map in dispatch_model; measured "
              "affected on 1.10.1-1.14.0, fixed on 1.15.0.",
     ),
-    diffs=(),
-    selftest="metapatch.selftest.tied_device_map_meta_pointer",
+    diagnoses=("tied-split", "no-hf-device-map"),  # metapatch.diagnose findings this fixes
+    # Both replace attach_align_device_hook_on_blocks on accelerate < 1.15; the order does not change
+    # either result (this one only edits the arguments), it is declared so that it never changes by accident.
+    wraps_over=("offloaded-outside-reads",),
 )

@@ -236,6 +236,5 @@ PATCH = Patch(
              "< 1.15 then refuses); the IndexError at small budgets, the zero-byte count of an already-tied "
              "stack and explicit maps that split a tied group remain in 5.24.0.",
     ),
-    diffs=("upstream_diffs/tied-device-map-transformers/transformers.diff",),
-    selftest="metapatch.selftest.tied_device_map_transformers",
+    diagnoses=("tied-split", "no-hf-device-map"),  # metapatch.diagnose findings this fixes
 )

@@ -67,6 +67,5 @@ PATCH = Patch(
         note="transformers 4.57 is a maintenance line; the fix for current releases is "
              "upstream_diffs/tied-device-map-transformers/transformers.diff.",
     ),
-    diffs=(),
-    selftest="metapatch.selftest.tied_device_map_transformers_v4",
+    diagnoses=("tied-split", "no-hf-device-map"),  # metapatch.diagnose findings this fixes
 )

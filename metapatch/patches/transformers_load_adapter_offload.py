@@ -180,6 +180,4 @@ PATCH = Patch(
              "routing them to a discarded offload index (5.x) and keeps the base placement instead of "
              "re-dispatching from meta weights (4.57)",
     ),
-    diffs=("upstream_diffs/transformers-load-adapter-offload/transformers.diff",),
-    selftest="metapatch.selftest.transformers_load_adapter",
 )

@@ -35,55 +35,27 @@ class OffloadedTensors(Mapping):
 
 
 def _source(weights_map: Any, key: str) -> Optional[Tuple[Any, Optional[str]]]:
-    """Unwrap accelerate's PrefixedDataset/OffloadedWeightsLoader down to what really holds ``key``,
-    without loading it (Mapping's ``in`` would read the file)."""
-    from accelerate.utils import OffloadedWeightsLoader, PrefixedDataset
+    """What really holds ``key`` of an accelerate weights map (:func:`metapatch._hook_state.locate`,
+    which reads nothing from disk): (tensor, None) in memory, (loader, key) on disk."""
+    from metapatch._hook_state import DISK, locate
 
-    from metapatch._offload_store import Overlay
-
-    for _ in range(32):
-        if isinstance(weights_map, Overlay):  # what an earlier operation wrote, in front of the old map
-            if key in weights_map.kept:
-                return weights_map.kept[key], None
-            weights_map = weights_map.previous
-        elif isinstance(weights_map, PrefixedDataset):
-            weights_map, key = weights_map.dataset, weights_map.prefix + key
-        elif isinstance(weights_map, OffloadedWeightsLoader):
-            if key in weights_map.state_dict:
-                inner = weights_map.state_dict
-                if isinstance(inner, OffloadedTensors):
-                    return inner.entries[key]
-                return inner[key], None
-            if key in weights_map.index:
-                return weights_map, key
-            return None
-        elif isinstance(weights_map, OffloadedTensors):
-            return weights_map.entries.get(key)
-        elif isinstance(weights_map, Mapping):
-            return (weights_map[key], None) if key in weights_map else None
-        else:
-            return None
-    return None
-
-
-def _hooks(module: Any) -> list:
-    from accelerate.hooks import SequentialHook
-
-    hook = module.__dict__.get("_hf_hook")
-    if hook is None:
-        return []
-    return list(hook.hooks) if isinstance(hook, SequentialHook) else [hook]
+    found = locate(weights_map, key)
+    if found is None:
+        return None
+    if isinstance(found.holder, OffloadedTensors):  # an earlier re-dispatch's sources: read through them
+        return found.holder.entries.get(found.key)
+    return (found.holder, found.key) if found.store == DISK else (found.holder[found.key], None)
 
 
 def capture_sources(root: Any) -> Dict[int, Tuple[Any, Dict[str, Any]]]:
     """Where every tensor offloaded by an accelerate hook under ``root`` is read from, keyed by the
     module object (names change when PEFT wraps a layer; the module does not)."""
-    from accelerate.hooks import AlignDevicesHook
+    from metapatch._hook_state import offload_hooks
 
     found: Dict[int, Tuple[Any, Dict[str, Any]]] = {}
     for module in root.modules():
-        for hook in _hooks(module):
-            if not (isinstance(hook, AlignDevicesHook) and hook.offload and hook.weights_map is not None):
+        for hook in offload_hooks(module):
+            if hook.weights_map is None:
                 continue
             tensors = {}
             for name in getattr(hook, "original_devices", {}) or {}:

@@ -1,0 +1,137 @@
+"""The one reader of accelerate's hook state: which hook offloads a module, and where its weights live.
+
+Patches, :mod:`metapatch.diagnose`, the move guard and the offload store all ask the same questions of
+accelerate's objects; the answers differed while each of them read ``_hf_hook`` on its own (the move
+guard called a hook without a ``weights_map`` "the offload store", diagnose called it "cpu"; both
+called a disk-offloaded module "cpu" once an :class:`metapatch._offload_store.Overlay` stood in front
+of its loader). Here each answer is written once:
+
+* :func:`hooks_on`, :func:`align_hooks`, :func:`offload_hooks`, :func:`offload_hook`: the hooks on a
+  module itself (a ``SequentialHook`` flattened), read from ``module.__dict__`` only, so no attribute
+  of the module (a property that computes) runs;
+* :func:`locate`: where one key of a ``weights_map`` is held (memory or the offload folder), through
+  ``PrefixedDataset``, ``OffloadedWeightsLoader`` and metapatch's ``Overlay``, without loading it
+  (``Mapping.__contains__`` of accelerate's loader would read the file);
+* :func:`storage`: "disk", "cpu" or "the offload store" for an offload hook.
+
+Nothing here imports accelerate: a process that never imported ``accelerate.hooks`` has no hooks.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from typing import Any, List, NamedTuple, Optional
+
+DISK, CPU, UNKNOWN = "disk", "cpu", "the offload store"
+
+
+def _hooks_module() -> Any:
+    return sys.modules.get("accelerate.hooks")
+
+
+def hooks_on(module: Any) -> List[Any]:
+    """Every accelerate hook attached to ``module`` itself, a ``SequentialHook``'s members in order."""
+    hook = getattr(module, "__dict__", {}).get("_hf_hook") if module is not None else None
+    if hook is None:
+        return []
+    hooks_module = _hooks_module()
+    if hooks_module is not None and isinstance(hook, hooks_module.SequentialHook):
+        return list(hook.hooks)
+    return [hook]
+
+
+def align_hooks(module: Any) -> List[Any]:
+    """The ``AlignDevicesHook``\\ s on ``module`` itself (offloading or not)."""
+    hooks_module = _hooks_module()
+    if hooks_module is None:
+        return []
+    return [h for h in hooks_on(module) if isinstance(h, hooks_module.AlignDevicesHook)]
+
+
+def offload_hooks(module: Any) -> List[Any]:
+    """The hooks on ``module`` itself that offload its weights right now (``offload`` on)."""
+    return [h for h in align_hooks(module) if h.offload]
+
+
+def offload_hook(module: Any) -> Optional[Any]:
+    """The hook that offloads ``module``'s own tensors and serves them from a ``weights_map``, or None."""
+    return next((h for h in offload_hooks(module) if h.weights_map is not None), None)
+
+
+class Located(NamedTuple):
+    """Where one key of a weights map is held."""
+
+    store: str  # DISK (an index entry of accelerate's loader) or CPU (a tensor in memory)
+    holder: Any  # the mapping that holds it: a state dict, an Overlay's kept tensors, the loader
+    key: str  # its key in ``holder``
+    folder: Optional[str]  # the offload folder, for DISK
+
+    @property
+    def entry(self) -> Any:
+        """The held object without loading from disk: the tensor, or the loader's index entry."""
+        return self.holder.index[self.key] if self.store == DISK else self.holder[self.key]
+
+
+_OPAQUE = object()  # a store this reader cannot look into
+
+
+def _find(weights_map: Any, key: str) -> Any:
+    from metapatch._offload_store import Overlay  # (imports nothing heavy; lazily: the store imports us)
+
+    for _ in range(32):
+        if weights_map is None:
+            return None
+        if isinstance(weights_map, Overlay):  # what an operation wrote, in front of the old map
+            if key in weights_map.kept:
+                return Located(CPU, weights_map.kept, key, None)
+            weights_map = weights_map.previous
+        elif hasattr(weights_map, "prefix") and hasattr(weights_map, "dataset"):  # PrefixedDataset
+            weights_map, key = weights_map.dataset, weights_map.prefix + key
+        elif hasattr(weights_map, "index") and hasattr(weights_map, "state_dict") \
+                and hasattr(weights_map, "save_folder"):  # OffloadedWeightsLoader: RAM state dict + disk index
+            if key in weights_map.state_dict:
+                return Located(CPU, weights_map.state_dict, key, None)
+            if key in (weights_map.index or {}):
+                return Located(DISK, weights_map, key, weights_map.save_folder)
+            return None
+        elif isinstance(weights_map, Mapping):
+            return Located(CPU, weights_map, key, None) if key in weights_map else None
+        else:
+            return _OPAQUE
+    return _OPAQUE
+
+
+def locate(weights_map: Any, key: str) -> Optional[Located]:
+    """Where ``key`` of ``weights_map`` is held, or None when it holds no such key or is a store this
+    reader cannot look into (a custom ``Mapping`` is asked with ``in``)."""
+    found = _find(weights_map, key)
+    return None if found is _OPAQUE else found
+
+
+def holds(weights_map: Any, key: str) -> bool:
+    """Whether ``weights_map`` serves ``key``; a store this reader cannot look into is trusted to."""
+    return _find(weights_map, key) is not None
+
+
+def storage(hook: Any) -> str:
+    """Where an offload hook keeps its module's weights: DISK when any of them is in the offload folder,
+    CPU when they are in memory, UNKNOWN when the hook serves no weights map this reader can look into."""
+    weights_map = getattr(hook, "weights_map", None)
+    if weights_map is None:
+        return UNKNOWN
+    names = list(getattr(hook, "original_devices", None) or ())
+    places = {found.store for found in (locate(weights_map, n) for n in names) if found is not None}
+    if places:
+        return DISK if DISK in places else CPU
+    # No tensor names recorded (a hook built by hand): any index entry under the map's prefix.
+    inner, prefix = weights_map, ""
+    for _ in range(32):
+        if hasattr(inner, "kept") and hasattr(inner, "previous"):
+            inner = inner.previous
+        elif hasattr(inner, "prefix") and hasattr(inner, "dataset"):
+            prefix, inner = prefix + inner.prefix, inner.dataset
+        else:
+            break
+    index = getattr(inner, "index", None) or {}
+    return DISK if any(k.startswith(prefix) for k in index) else CPU
