@@ -37,9 +37,10 @@ LEGS = ("unpatched", "patched", "diff")
 NOT_APPLICABLE = ("NotApplicable", "ModelUnavailable")  # the error types of an n/a outcome
 
 
-def assert_equals_reference(outcome) -> None:
+def assert_equals_reference(outcome, tolerance: float = 0.0) -> None:
+    """Passed, and equal to the in-memory reference (within the scenario's stated ``tolerance``)."""
     assert outcome.passed, outcome.traceback or outcome.stderr_tail
-    assert outcome.metrics["max_abs_diff"] == 0, outcome.metrics
+    assert outcome.metrics["max_abs_diff"] <= tolerance, outcome.metrics
 
 
 def assert_upstream_error(outcome, scenario, why: str, message: Optional[str]) -> None:

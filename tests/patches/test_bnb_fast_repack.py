@@ -34,7 +34,7 @@ def test_byte_layout_is_bitsandbytes_layout(shape, quant):
 
 def test_the_proof_calls_no_quantizer():
     """bnb-quant-state-offload's scenarios count quantizer calls at reloads (there must be none)."""
-    from metapatch.selftest import bnb_offload as scenario
+    from metapatch.selftest import _bnb as scenario
 
     weight, state = F.quantize_4bit(torch.randn(192, 128, dtype=torch.bfloat16), quant_type="nf4", blocksize=64)
     _, packed_state = F._convert_weight_packed_for_cpu(weight.clone(), copy.deepcopy(state))
@@ -62,7 +62,7 @@ def test_a_different_layout_is_not_used():
 def test_disk_offloaded_forwards_equal_in_memory(tmp_path):
     import accelerate  # noqa: F401
 
-    from metapatch.selftest import bnb_offload as scenario
+    from metapatch.selftest import _bnb as scenario
     from metapatch.selftest._models import input_ids, save_tiny_llama
 
     save_tiny_llama(tmp_path / "base", hidden_size=128, intermediate_size=256, num_hidden_layers=scenario.NUM_LAYERS,

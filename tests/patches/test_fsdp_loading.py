@@ -115,7 +115,7 @@ def test_patched(scenario):
     if not affected:
         pytest.skip(f"{scenario.patch_id} does not claim this stack ({why})")
     outcome = run_scenario(scenario, patched=True)
-    assert_equals_reference(outcome)
+    assert_equals_reference(outcome, scenario.tolerance)
     assert outcome.states[scenario.patch_id] == "applied"
     if scenario.name == "eval-only-new-head":
         # used before prepare: rank 0's model is right, rank 1 refuses instead of using its placeholders
@@ -140,7 +140,7 @@ def test_upstream_diff_alone(scenario, tmp_path_factory):
         pytest.skip(f"{scenario.patch_id} does not claim this stack ({why})")
     copy = upstream_diff_copy(scenario.patch_id, tmp_path_factory)
     outcome = run_scenario(scenario, patched=False, pythonpath=[copy])
-    assert_equals_reference(outcome)
+    assert_equals_reference(outcome, scenario.tolerance)
     if scenario.name == "eval-only-new-head":
         # the diff broadcasts at prepare_model but does not refuse an earlier use (transformers would
         # have to mark its placeholders; the runtime patch does): pinned, so the difference stays known
