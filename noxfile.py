@@ -47,8 +47,10 @@ ONCE = ["tests/test_pr_checks.py", "tests/test_series_reproducers.py", "tests/te
         "tests/test_sweep.py", "tests/test_flows.py", "tests/patches/test_fsdp_loading.py",
         "tests/patches/test_bnb_cpu_repack.py"]
 # The public-report corpus (about 3.5 min per environment) runs on the seed and latest pairs; the
-# Gemma 4 integration pair (5.7) adds nothing to it that those two do not cover.
-NOT_IN = {"gemma4-int": ["tests/reports"]}
+# Gemma 4 integration pair (5.7) adds nothing to it that those two do not cover. Nor to the upstream
+# suites: accelerate's and peft's own tests, which it would run on the same accelerate (1.13) and peft
+# releases as the seed pair.
+NOT_IN = {"gemma4-int": ["tests/reports", "tests/test_upstream_suites.py"]}
 
 
 def _interpreter(version: str) -> str:

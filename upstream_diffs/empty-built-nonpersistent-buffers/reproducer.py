@@ -3,7 +3,6 @@ is built on meta and _init_weights does not recompute this buffer. empty_like is
 so the result is deterministic (uninitialised memory can by chance look right).
 
 Fails with: AssertionError
-Affected: diff
 """
 import sys
 import tempfile
