@@ -23,30 +23,17 @@ def _walk(model: Any) -> Tuple[List[Tuple[str, Any, bool]], set]:
     """(name, tensor, whether it is a tuner layer's own tensor) for every tensor under its first
     name, and the ids of tensors reachable under more than one name (tied parameters, shared
     modules): those are left to the full re-dispatch, which re-ties them."""
-    import torch
-    from peft.tuners.tuners_utils import BaseTunerLayer
+    from ._redispatch import module_tensors
 
-    adapter_modules: set = set()
     seen: Dict[int, str] = {}
     shared: set = set()
     out: List[Tuple[str, Any, bool]] = []
-    for module_name, module in model.named_modules(remove_duplicate=False):
-        if isinstance(module, BaseTunerLayer):
-            for attr in tuple(module.adapter_layer_names) + tuple(module.other_param_names):
-                part = getattr(module, attr, None)
-                if isinstance(part, torch.nn.Module):
-                    adapter_modules.update(id(m) for m in part.modules())
-        is_adapter = id(module) in adapter_modules
-        prefix = f"{module_name}." if module_name else ""
-        for store in (module._parameters, module._buffers):
-            for tensor_name, tensor in store.items():
-                if tensor is None:
-                    continue
-                if id(tensor) in seen:
-                    shared.add(id(tensor))
-                    continue
-                seen[id(tensor)] = prefix + tensor_name
-                out.append((prefix + tensor_name, tensor, is_adapter))
+    for name, tensor, is_adapter in module_tensors(model, remove_duplicate=False):
+        if id(tensor) in seen:
+            shared.add(id(tensor))
+            continue
+        seen[id(tensor)] = name
+        out.append((name, tensor, is_adapter))
     return out, shared
 
 

@@ -42,15 +42,15 @@ def _adapter_tensor_names(model: Any) -> set:
     return names
 
 
-def _named_tensors(model: Any) -> Iterator[Tuple[str, Any, bool]]:
-    """(name, tensor, whether it is a tuner layer's own tensor) for every parameter and buffer of
-    ``model``, each once under its first name (as ``named_parameters``/``named_buffers`` name
-    them), in one walk of the module tree (the check runs at every adapter load)."""
+def module_tensors(model: Any, remove_duplicate: bool = True) -> Iterator[Tuple[str, Any, bool]]:
+    """(name, tensor, whether it is a tuner layer's own tensor) for every parameter and buffer slot of
+    ``model``'s modules (``named_modules(remove_duplicate=...)``), in one walk of the module tree; a tensor
+    held by several modules comes once per holder."""
     import torch
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    adapter_modules, seen = set(), set()
-    for module_name, module in model.named_modules():
+    adapter_modules: set = set()
+    for module_name, module in model.named_modules(remove_duplicate=remove_duplicate):
         if isinstance(module, BaseTunerLayer):
             for attr in tuple(module.adapter_layer_names) + tuple(module.other_param_names):
                 part = getattr(module, attr, None)
@@ -60,9 +60,18 @@ def _named_tensors(model: Any) -> Iterator[Tuple[str, Any, bool]]:
         prefix = f"{module_name}." if module_name else ""
         for store in (module._parameters, module._buffers):
             for tensor_name, tensor in store.items():
-                if tensor is not None and id(tensor) not in seen:
-                    seen.add(id(tensor))
+                if tensor is not None:
                     yield prefix + tensor_name, tensor, is_adapter
+
+
+def _named_tensors(model: Any) -> Iterator[Tuple[str, Any, bool]]:
+    """Every parameter and buffer of ``model`` once, under its first name (as ``named_parameters`` /
+    ``named_buffers`` name them), in one walk (the check runs at every adapter load)."""
+    seen = set()
+    for name, tensor, is_adapter in module_tensors(model):
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            yield name, tensor, is_adapter
 
 
 def _place_tensors(model: Any, device_map: Dict[str, Any], sources: Dict[str, Any], offloaded_devices: set,
