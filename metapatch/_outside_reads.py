@@ -161,9 +161,11 @@ def _unloaded_own_tensors(module: Any, model: Any, names: Dict[int, str]) -> Lis
         return []
     # Only what the forward reads: a tied copy's source left unhooked beside it (BertLMPredictionHead.bias,
     # which its decoder's hook loads under the decoder's own name) is never read there.
+    # A forward that calls a method of its own (not a child's forward) may read them there: keep them all.
     forward = inspect.getattr_static(type(module), "forward", None)
     chains = _chains(forward) if callable(forward) else ()
-    if chains:
+    helpers = any(called and len(chain) == 1 and chain[0] not in module._modules for chain, called in chains)
+    if chains and not helpers:
         read = {chain[0] for chain, _ in chains}
         meta = [n for n in meta if n in read]
     prefix = names.get(id(module), "")
