@@ -132,8 +132,8 @@ def _offloaded_packed_copy(module: Any, hook: Any, weight: Any, state: Any) -> A
     work = copy.copy(state)
     work.__dict__.pop(HOST_ATTR, None)
     packed, packed_state = _convert_weight_packed_for_cpu(weight.data, work)
-    # A weight on disk is repacked at every forward, as upstream does: a cached copy would have to
-    # live in RAM (undoing the offload) or in a file metapatch writes into the user's offload folder.
+    # A weight on disk is not kept: a copy would have to live in RAM (undoing the offload) or in a file
+    # metapatch writes into the user's offload folder. Only its packed state is, for the byte layout above.
     module.__dict__[OFFLOAD_CACHE] = (identity, None if folder is not None else packed, packed_state, entry, host)
     return packed, packed_state
 
