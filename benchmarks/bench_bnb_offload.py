@@ -130,7 +130,7 @@ def lora_over_offloaded_4bit(work: Path, ids: Any, repeats: int) -> None:
     in memory, interleaved."""
     from peft import PeftModel
 
-    from metapatch.selftest.peft_offload import save_adapter
+    from metapatch.selftest._peft import save_adapter
 
     config = scenario.quant_config("nf4", True, "bfloat16")
     adapter = save_adapter("llama", work / "base", work / "adapter", seed=3)

@@ -36,7 +36,7 @@ from typing import Callable, Dict, List, Tuple
 
 import metapatch  # noqa: F401 - the patches under test
 from metapatch.selftest._models import save_tiny_llama
-from metapatch.selftest.peft_offload import save_adapter
+from metapatch.selftest._peft import save_adapter
 
 
 def _device_map(layers: int) -> Dict[str, str]:

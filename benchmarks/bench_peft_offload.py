@@ -25,7 +25,7 @@ from typing import Dict, List
 
 import metapatch  # noqa: F401 - the patch under test
 from metapatch.selftest._models import input_ids, save_tiny_llama
-from metapatch.selftest.peft_offload import _listing, save_adapter
+from metapatch.selftest._peft import _listing, save_adapter
 
 
 def _device_map(layers: int) -> Dict[str, str]:

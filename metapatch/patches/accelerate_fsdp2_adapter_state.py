@@ -147,5 +147,4 @@ PATCH = Patch(
              "the model's key names); the diff here is a backport for 1.14 that keeps peft's key names",
     ),
     diffs=("upstream_diffs/accelerate-fsdp2-adapter-state/accelerate.diff",),
-    selftest="metapatch.selftest.fsdp_adapters",
 )

@@ -108,5 +108,4 @@ PATCH = Patch(
              "holding the tied weight (BART's encoder/decoder embed_tokens) are still left to the root",
     ),
     diffs=("upstream_diffs/accelerate-fsdp2-shared-embeddings/accelerate.diff",),
-    selftest="metapatch.selftest.fsdp_ties",
 )

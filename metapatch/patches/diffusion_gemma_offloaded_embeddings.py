@@ -46,5 +46,4 @@ PATCH = Patch(
              "decoder still reads the weight directly (not explained yet).",
     ),
     diffs=("upstream_diffs/diffusion-gemma-offloaded-embeddings/transformers.diff",),
-    selftest="metapatch.selftest.diffusion_gemma_offloaded_embeddings",
 )

@@ -73,5 +73,4 @@ PATCH = Patch(
              "config rebuild with parameters on meta",
     ),
     diffs=("upstream_diffs/empty-built-nonpersistent-buffers/transformers.diff",),
-    selftest="metapatch.selftest.nonpersistent_buffers",
 )

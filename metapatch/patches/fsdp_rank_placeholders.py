@@ -156,7 +156,6 @@ PATCH = Patch(
              "state to a model loaded with cpu_ram_efficient_loading",
     ),
     diffs=("upstream_diffs/fsdp-rank-placeholders/accelerate.diff",),
-    selftest="metapatch.selftest.fsdp_loading",
     # Outermost on both shared targets, the order the two-rank tests measured: the buffer refill runs inside
     # the placeholder bookkeeping at load, and the shared-embedding grouping inside the broadcast at prepare.
     wraps_over=("accelerate-fsdp2-shared-embeddings", "empty-built-nonpersistent-buffers"),

@@ -64,5 +64,4 @@ PATCH = Patch(
              "input_ids inside a call that loads the offloaded weight; see the upstream diff",
     ),
     diffs=("upstream_diffs/gemma4-offloaded-embeddings/transformers.diff",),
-    selftest="metapatch.selftest.gemma4_embeddings",
 )

@@ -71,5 +71,4 @@ PATCH = Patch(
              "keeps those children loaded while the reader runs; see the upstream diff",
     ),
     diffs=("upstream_diffs/offloaded-outside-reads/accelerate.diff",),
-    selftest="metapatch.selftest.outside_reads",
 )

@@ -71,5 +71,4 @@ PATCH = Patch(
              "the diff is that order for 0.19.1",
     ),
     diffs=("upstream_diffs/peft-tp-shard-import/peft.diff",),
-    selftest="metapatch.selftest.fsdp_adapters",
 )

@@ -3,8 +3,9 @@ comparisons the reproducers share. Imported only inside scenario functions: torc
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Iterator
 
 
 def tiny_llama_config(**overrides: Any) -> Any:
@@ -51,3 +52,23 @@ def meta_parameters(model: Any) -> list:
         if any(isinstance(h, AlignDevicesHook) and h.offload for h in hooks if h is not None):
             covered.update(f"{name}.{n}" if name else n for n, _ in module.named_parameters())
     return [n for n, p in model.named_parameters() if p.is_meta and n not in covered]
+
+
+@contextlib.contextmanager
+def nan_sentinel() -> Iterator[None]:
+    """``torch.empty_like`` memory filled with NaN while active: a buffer nobody wrote shows as NaN."""
+    import torch
+
+    original = torch.empty_like
+
+    def empty_like(*args: Any, **kwargs: Any) -> Any:
+        value = original(*args, **kwargs)
+        if value.is_floating_point() and not value.is_meta:
+            value.fill_(float("nan"))
+        return value
+
+    torch.empty_like = empty_like
+    try:
+        yield
+    finally:
+        torch.empty_like = original

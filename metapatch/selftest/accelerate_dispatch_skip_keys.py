@@ -19,7 +19,7 @@ def gemma4_dispatch_model(workdir: Path) -> Dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     from ._models import input_ids
-    from .peft_offload import _compare, _logits_and_tokens, offload_map, require_gemma4, save_tiny_gemma4
+    from ._peft import _compare, _logits_and_tokens, offload_map, require_gemma4, save_tiny_gemma4
 
     require_gemma4()
     checkpoint = save_tiny_gemma4(workdir / "base")

@@ -84,9 +84,8 @@ transformers = pytest.importorskip("transformers")
 accelerate = pytest.importorskip("accelerate")
 
 from metapatch import _buffer_rebuild  # noqa: E402
-from metapatch.selftest.nonpersistent_buffers import (  # noqa: E402
-    nan_sentinel, register_table_model, save_table_model)
-from metapatch.selftest._models import input_ids, tiny_llama_config  # noqa: E402
+from metapatch.selftest._models import input_ids, nan_sentinel, tiny_llama_config  # noqa: E402
+from metapatch.selftest.empty_built_nonpersistent_buffers import register_table_model, save_table_model  # noqa: E402
 
 NEEDS_5 = pytest.mark.skipif(not GATES[FROM_PRETRAINED.id][0], reason="from_pretrained patch not in effect here")
 

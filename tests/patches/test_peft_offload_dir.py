@@ -13,7 +13,7 @@ import pytest
 import metapatch  # first: the patch under test
 from metapatch.patches.peft_offload_redispatch import PATCH
 from metapatch.selftest._models import input_ids, save_tiny_llama
-from metapatch.selftest.peft_offload import offload_map, save_adapter
+from metapatch.selftest._peft import offload_map, save_adapter
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("peft")

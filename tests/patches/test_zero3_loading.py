@@ -69,7 +69,7 @@ def _zero3_rank(rank, world_size, workdir):
 
 
 def test_zero3_from_pretrained_equals_one_process(tmp_path):
-    from metapatch.selftest.fsdp_loading import _save_tiny_moe
+    from metapatch.selftest.accelerate_fsdp2_plain_buffers import _save_tiny_moe
 
     save_tiny_llama(tmp_path / "llama", pad_token_id=0)
     save_tiny_llama(tmp_path / "tied", tie_word_embeddings=True)

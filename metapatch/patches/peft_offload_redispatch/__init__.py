@@ -137,5 +137,4 @@ PATCH = Patch(
            "upstream_diffs/peft-offload-redispatch/peft-2-onload-layer-reads-one-layer.diff",
            "upstream_diffs/peft-offload-redispatch/peft-3-no-checkpoint-rewrite.diff",
            "upstream_diffs/peft-offload-redispatch/peft-4-keep-placement-and-skip-keys.diff"),
-    selftest="metapatch.selftest.peft_offload",
 )

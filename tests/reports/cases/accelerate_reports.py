@@ -190,7 +190,7 @@ def rotary_buffer_after_to_empty(workdir: Path) -> Dict[str, Any]:
     from accelerate import init_empty_weights, load_checkpoint_and_dispatch
     from transformers import LlamaForCausalLM
 
-    from metapatch.selftest.nonpersistent_buffers import nan_sentinel
+    from metapatch.selftest._models import nan_sentinel
 
     ckpt = llama(workdir)
     reference = logits(LlamaForCausalLM.from_pretrained(ckpt).eval())

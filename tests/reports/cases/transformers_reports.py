@@ -55,7 +55,7 @@ def gemma4_pad_embedding_offloaded(workdir: Path) -> Dict[str, Any]:
     require(transformers, "Gemma4ForCausalLM")
     from transformers import Gemma4ForCausalLM
 
-    from metapatch.selftest.peft_offload import offload_map, save_tiny_gemma4
+    from metapatch.selftest._peft import offload_map, save_tiny_gemma4
 
     ckpt = cached(workdir, "gemma4", save_tiny_gemma4)
     reference = logits(Gemma4ForCausalLM.from_pretrained(ckpt).eval())
@@ -209,7 +209,8 @@ def nonpersistent_buffer_from_pretrained(workdir: Path) -> Dict[str, Any]:
     by chance look right)."""
     from transformers import AutoModelForCausalLM
 
-    from metapatch.selftest.nonpersistent_buffers import nan_sentinel, save_table_model
+    from metapatch.selftest._models import nan_sentinel
+    from metapatch.selftest.empty_built_nonpersistent_buffers import save_table_model
 
     reference = save_table_model(workdir / "table")
     with nan_sentinel():

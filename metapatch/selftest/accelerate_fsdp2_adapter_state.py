@@ -1,7 +1,6 @@
-"""Two-rank reproducers for LoRA adapters under a process group (gloo on CPU): an adapter saved
-and reloaded through accelerate's FSDP2 ``FULL_STATE_DICT`` path, and ``PeftModel.from_pretrained``
-on every rank of a running group. Each compares every rank, and the file written, with the
-single-process model built from the same checkpoint and seed.
+"""Two-rank reproducer for ``accelerate-fsdp2-adapter-state`` (gloo on CPU): a LoRA adapter saved
+and reloaded through accelerate's FSDP2 ``FULL_STATE_DICT`` path, compared on every rank, and in the
+file written, with the single-process model built from the same checkpoint and seed.
 """
 
 from __future__ import annotations
@@ -10,27 +9,14 @@ import os
 from pathlib import Path
 from typing import Any, Dict
 
+from ._fsdp import lora_model, within_measured
 from ._harness import Scenario
 from ._models import input_ids, max_abs_diff, save_tiny_llama
-from ._ranks import FSDP_ENV, backend, fsdp_accelerator, raise_first_error, run_ranks
-from .fsdp_loading import _within_measured
+from ._ranks import FSDP_ENV, fsdp_accelerator, raise_first_error, run_ranks
 
 ADAPTER_STATE = "accelerate-fsdp2-adapter-state"
-TP_IMPORT = "peft-tp-shard-import"
-_LORA_SEED = 3
 _TIMEOUT = 300  # two ranks importing torch + transformers on a loaded 2-core machine took up to ~150 s
 _SAVED = "pytorch_model_fsdp.bin"  # accelerate's FSDP_MODEL_NAME, model_index 0
-
-
-def _lora(path: Path) -> Any:
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path)
-    torch.manual_seed(_LORA_SEED)  # the same non-zero adapter in every process
-    # r=4 over two ranks: each rank holds a (2, 64) shard of every lora_A
-    return get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
 
 
 def _full(tensor: Any) -> Any:
@@ -48,7 +34,7 @@ def _adapter_rank(rank: int, world_size: int, workdir: Path) -> Dict[str, Any]:
     os.environ.update(FSDP_ENV)
     os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "false"  # every rank builds the adapter itself
     accelerator = fsdp_accelerator()
-    model = _lora(workdir / "ckpt")
+    model = lora_model(workdir / "ckpt")
     model, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.5))
     plugin = accelerator.state.fsdp_plugin
     save_fsdp_model(plugin, accelerator, model, str(workdir / "saved"), adapter_only=True)
@@ -93,9 +79,9 @@ def adapter_save_reload(workdir: Path) -> Dict[str, Any]:
     import torch
     from peft import get_peft_model_state_dict
 
-    _within_measured(accelerate="1.13", transformers="5.7", peft="0.17")
+    within_measured(accelerate="1.13", transformers="5.7", peft="0.17")
     save_tiny_llama(workdir / "ckpt")
-    reference = _lora(workdir / "ckpt").eval()
+    reference = lora_model(workdir / "ckpt").eval()
     expected_file = {k: v.detach().clone() for k, v in get_peft_model_state_dict(reference).items()}
     adapter = {name: p.detach().clone() for name, p in reference.named_parameters() if "lora_" in name}
     trainable = {name: p.detach().clone() for name, p in reference.named_parameters() if p.requires_grad}
@@ -118,50 +104,9 @@ def adapter_save_reload(workdir: Path) -> Dict[str, Any]:
     return metrics
 
 
-# -- PeftModel.from_pretrained while a process group is running ------------------------------------
-
-def _load_rank(rank: int, world_size: int, workdir: Path) -> Dict[str, Any]:
-    import torch
-    import torch.distributed as dist
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    dist.init_process_group(backend())
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(workdir / "ckpt"), workdir / "adapter").eval()
-    with torch.no_grad():
-        return {"logits": model(input_ids=input_ids()).logits}
-
-
-def adapter_load_under_group(workdir: Path) -> Dict[str, Any]:
-    """A saved non-zero LoRA adapter loaded with ``PeftModel.from_pretrained`` on each of two ranks
-    of a running gloo group (as any FSDP/DDP/DeepSpeed script does): every rank's logits equal the
-    adapter loaded in one process without a group."""
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    _within_measured(peft="0.19")
-    save_tiny_llama(workdir / "ckpt")
-    _lora(workdir / "ckpt").save_pretrained(workdir / "adapter")
-    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(workdir / "ckpt"), workdir / "adapter").eval()
-    with torch.no_grad():
-        logits = reference(input_ids=input_ids()).logits
-    reports = run_ranks(f"{__name__}:_load_rank", workdir, timeout=_TIMEOUT)
-    raise_first_error(reports)
-    metrics = {f"rank{r['rank']}_logits_diff": max_abs_diff(r["result"]["logits"], logits) for r in reports}
-    metrics["max_abs_diff"] = max(metrics.values())
-    if metrics["max_abs_diff"] > 0:
-        raise AssertionError(f"a rank's adapter differs from one process's: {metrics}")
-    return metrics
-
-
 SCENARIOS = [
     Scenario(ADAPTER_STATE, "adapter-save-reload", f"{__name__}:adapter_save_reload",
              "LoRA over FSDP2 on two ranks (gloo), save_fsdp_model/load_fsdp_model(adapter_only=True) with "
              "FULL_STATE_DICT: the file and every rank's reloaded adapter equal one process's",
              expected_error="AssertionError"),
-    Scenario(TP_IMPORT, "adapter-load-under-group", f"{__name__}:adapter_load_under_group",
-             "PeftModel.from_pretrained on two ranks of a running gloo group: every rank's logits equal "
-             "one process's",
-             expected_error="ImportError"),
 ]

@@ -10,10 +10,10 @@ import os
 from pathlib import Path
 from typing import Any, Dict, Tuple
 
+from ._fsdp import within_measured
 from ._harness import Scenario
 from ._models import input_ids, max_abs_diff, save_tiny_llama
 from ._ranks import FSDP_ENV, fsdp_accelerator, raise_first_error, run_ranks
-from .fsdp_loading import _within_measured
 
 SHARED_EMBEDDINGS = "accelerate-fsdp2-shared-embeddings"
 _TIMEOUT = 300  # two ranks importing torch + transformers on a loaded 2-core machine took up to ~150 s
@@ -102,14 +102,14 @@ def _tied(workdir: Path, kind: str) -> Dict[str, Any]:
 def tied_causal_lm(workdir: Path) -> Dict[str, Any]:
     """A Llama with ``tie_word_embeddings=True`` through accelerator.prepare with FSDP2, one SGD step:
     every rank's logits before and after the step equal one process's."""
-    _within_measured(accelerate="1.13", transformers="5.7")
+    within_measured(accelerate="1.13", transformers="5.7")
     return _tied(workdir, "llama")
 
 
 def bart_three_way_tie(workdir: Path) -> Dict[str, Any]:
     """BART (``shared`` = encoder and decoder ``embed_tokens`` = ``lm_head``) through
     accelerator.prepare with FSDP2, one SGD step: every rank equals one process."""
-    _within_measured(accelerate="1.13", transformers="5.7")
+    within_measured(accelerate="1.13", transformers="5.7")
     return _tied(workdir, "bart")
 
 

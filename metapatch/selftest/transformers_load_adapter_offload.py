@@ -23,12 +23,12 @@ from typing import Any, Dict
 from ._harness import Scenario
 
 PATCH_ID = "transformers-load-adapter-offload"
-_MODULE = "metapatch.selftest.transformers_load_adapter"
+_MODULE = "metapatch.selftest.transformers_load_adapter_offload"
 
 
 def _prepare(workdir: Path) -> tuple:
     from ._models import save_tiny_llama
-    from .peft_offload import save_adapter
+    from ._peft import save_adapter
 
     checkpoint = save_tiny_llama(workdir / "ckpt")
     first = save_adapter("llama", checkpoint, workdir / "adapter", seed=3)
@@ -41,7 +41,7 @@ def _offloaded(workdir: Path, source: Path) -> Any:
     with layers 2 and 3 on disk."""
     from transformers import AutoModelForCausalLM
 
-    from .peft_offload import offload_map
+    from ._peft import offload_map
 
     model = AutoModelForCausalLM.from_pretrained(source, device_map=offload_map("llama"),
                                                  offload_folder=str(workdir / "offload")).eval()
@@ -55,7 +55,7 @@ class _Untouched:
     unchanged, nothing new in the work directory outside the offload folder."""
 
     def __init__(self, workdir: Path, checkpoint: Path, adapters: tuple):
-        from .peft_offload import _hashes, _SideEffects
+        from ._peft import _hashes, _SideEffects
 
         self._hashes = _hashes
         self.watch = _SideEffects(workdir, checkpoint, ("offload",))
@@ -118,7 +118,7 @@ def load_adapter_offloaded(workdir: Path) -> Dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     from ._models import input_ids
-    from .peft_offload import _compare, _logits_and_tokens
+    from ._peft import _compare, _logits_and_tokens
 
     checkpoint, first, second = _prepare(workdir)
     ids = input_ids()
@@ -167,7 +167,7 @@ def from_pretrained_adapter_dir(workdir: Path) -> Dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     from ._models import input_ids
-    from .peft_offload import _compare, _logits_and_tokens
+    from ._peft import _compare, _logits_and_tokens
 
     checkpoint, first, _ = _prepare(workdir)
     ids = input_ids()

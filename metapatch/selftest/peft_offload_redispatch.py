@@ -1,5 +1,7 @@
-"""Reproducers for ``peft-offload-redispatch`` (``accelerate-dispatch-skip-keys``' are in
-``accelerate_dispatch_skip_keys.py``, on this module's Gemma 4 builders).
+"""Reproducers for ``peft-offload-redispatch``: every scenario of the patch, in the order the
+default selftest runs them (inference here; one training step in ``_peft_training.py``; PEFT's
+tuners and entry points in ``_peft_tuners.py``; builders shared with
+``accelerate_dispatch_skip_keys.py`` and the benchmarks in ``_peft.py``).
 
 A tiny Llama and a tiny Gemma 4 (``Gemma4ForCausalLM``, text config with ``num_kv_shared_layers >
 0``) are saved as random safetensors checkpoints, loaded with a device map that holds ``cpu`` and
@@ -15,164 +17,20 @@ may change. The side-effect check runs even when loading raises, so the data los
 
 from __future__ import annotations
 
-import hashlib
-import os
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 from ._harness import Scenario
+from ._peft import (_compare, _listing, _logits_and_tokens, _save_checkpoint, _SideEffects, offload_map,
+                    require_gemma4, save_adapter)
 
 REDISPATCH = "peft-offload-redispatch"
-_MODULE = "metapatch.selftest.peft_offload"
-_NEW_TOKENS = 4
-
-
-# -- tiny models ---------------------------------------------------------------------------------
-
-
-def require_gemma4() -> None:
-    """Gemma 4 arrived in transformers 5.5.0: on older releases its scenarios are not applicable."""
-    import transformers
-
-    from . import NotApplicable
-
-    if not hasattr(transformers, "Gemma4ForCausalLM"):
-        raise NotApplicable(f"needs transformers >= 5.5 (Gemma4ForCausalLM); installed {transformers.__version__}")
-
-
-def tiny_gemma4_config() -> Any:
-    """A Gemma 4 text config small enough for seconds on CPU; the last 3 of 6 layers reuse the KV of
-    earlier layers (``num_kv_shared_layers``), which is what accelerate's dict copies break."""
-    require_gemma4()
-    from transformers import Gemma4TextConfig
-
-    return Gemma4TextConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, global_head_dim=16, num_kv_shared_layers=3, sliding_window=16,
-        max_position_embeddings=64, hidden_size_per_layer_input=8, vocab_size_per_layer_input=128,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
-    )
-
-
-def save_tiny_gemma4(path: Path, seed: int = 0) -> Path:
-    import torch
-    from transformers import Gemma4ForCausalLM
-
-    torch.manual_seed(seed)
-    Gemma4ForCausalLM(tiny_gemma4_config()).eval().save_pretrained(path)
-    return path
-
-
-def _save_checkpoint(arch: str, path: Path) -> Path:
-    if arch == "gemma4":
-        return save_tiny_gemma4(path)
-    from ._models import save_tiny_llama
-
-    return save_tiny_llama(path)
-
-
-def offload_map(arch: str) -> Dict[str, str]:
-    """Embeddings, head and the first layers in memory; the last layers on disk. For Gemma 4 the
-    disk layers include KV-shared ones and their sources (layers 3-5 reuse 1 and 2)."""
-    layers = 4 if arch == "llama" else 6
-    device_map = {"model.embed_tokens": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
-    if arch == "gemma4":
-        device_map.update({"model.embed_tokens_per_layer": "cpu", "model.per_layer_model_projection": "cpu",
-                           "model.per_layer_projection_norm": "cpu"})
-    for i in range(layers):
-        device_map[f"model.layers.{i}"] = "cpu" if i < 2 else "disk"
-    return device_map
-
-
-def save_adapter(arch: str, checkpoint: Path, path: Path, seed: int) -> Path:
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(checkpoint)
-    torch.manual_seed(seed)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"],
-                        init_lora_weights=False)
-    get_peft_model(model, config).save_pretrained(path)
-    return path
-
-
-# -- side effects --------------------------------------------------------------------------------
-
-
-def _hashes(folder: Path) -> Dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-def _listing(folder: Path, recursive: bool, skip: Optional[Path] = None) -> set:
-    if not recursive:
-        return set(os.listdir(folder))
-    found = set()
-    for root, dirs, files in os.walk(folder):
-        if skip is not None:
-            dirs[:] = [d for d in dirs if Path(root, d) != skip]
-        found.update(os.path.relpath(os.path.join(root, name), folder) for name in dirs + files)
-    return found
-
-
-class _SideEffects:
-    """What the load may not touch: the checkpoint, the working directory, the work directory
-    outside the offload folders."""
-
-    def __init__(self, workdir: Path, checkpoint: Path, offload_folders: tuple):
-        self.workdir, self.checkpoint = workdir, checkpoint
-        self.cwd = Path(os.getcwd()).resolve()
-        # "/" is listed one level deep only: the bug's writes there land inside existing folders
-        # (tmp/...), which the checkpoint hash catches.
-        self.recursive_cwd = self.cwd != Path("/")
-        self.allowed = tuple(workdir / name for name in offload_folders)
-        self.before = self._snapshot()
-
-    def _snapshot(self) -> tuple:
-        work = {p for p in _listing(self.workdir, True)
-                if not any((self.workdir / p).is_relative_to(a) for a in self.allowed)}
-        inside = self.workdir.resolve().is_relative_to(self.cwd)
-        cwd = _listing(self.cwd, self.recursive_cwd, skip=self.workdir.resolve() if inside else None)
-        return _hashes(self.checkpoint), work, cwd
-
-    def problems(self) -> list:
-        hashes, work, cwd = self._snapshot()
-        found = []
-        if hashes != self.before[0]:
-            changed = sorted(k for k in set(hashes) | set(self.before[0]) if hashes.get(k) != self.before[0].get(k))
-            found.append(f"checkpoint files modified in place: {changed}")
-        if work - self.before[1]:
-            new = sorted(work - self.before[1])[:5]
-            found.append(f"new files in the work directory outside the offload folders: {new}")
-        if cwd - self.before[2]:
-            found.append(f"new files in the working directory {self.cwd}: {sorted(cwd - self.before[2])[:5]}")
-        return found
+_MODULE = "metapatch.selftest.peft_offload_redispatch"
+_TRAINING = "metapatch.selftest._peft_training"
+_TUNERS = "metapatch.selftest._peft_tuners"
 
 
 # -- the runs ----------------------------------------------------------------------------------
-
-
-def _logits_and_tokens(model: Any, ids: Any) -> tuple:
-    import torch
-
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits
-        tokens = model.generate(input_ids=ids, max_new_tokens=_NEW_TOKENS, do_sample=False)
-    return logits, tokens
-
-
-def _compare(name: str, got: tuple, want: tuple) -> float:
-    import torch
-
-    from ._models import max_abs_diff
-
-    diff = max_abs_diff(got[0], want[0])
-    if not torch.equal(got[0], want[0]):
-        raise AssertionError(f"{name}: logits differ from the in-memory reference (max abs diff {diff})")
-    if not torch.equal(got[1], want[1]):
-        raise AssertionError(f"{name}: greedy tokens differ: {got[1].tolist()} vs {want[1].tolist()}")
-    return diff
 
 
 def _reference(arch: str, checkpoint: Path, adapters: list) -> tuple:
@@ -346,6 +204,11 @@ def _scenario(patch_id: str, name: str, func: str, description: str, error: str,
 _WAYS = ("PeftModel.from_pretrained with no extra kwargs, with small and large max_memory, with the base's "
          "own device_map (the seed); then a second adapter (load_adapter + set_adapter) and merge_and_unload")
 
+
+def _tuners(name: str, func: str, description: str, error: str) -> Scenario:
+    return Scenario(REDISPATCH, name, f"{_TUNERS}:{func}", description, expected_error=error)
+
+
 SCENARIOS = [
     _scenario(REDISPATCH, "llama", "llama",
               "Llama offloaded to cpu/disk + LoRA adapter: " + _WAYS + ". Upstream rewrites the checkpoint into "
@@ -356,4 +219,27 @@ SCENARIOS = [
     _scenario(REDISPATCH, "gpu-4bit-cpu-parts", "gpu_4bit_cpu_parts",
               "one GPU: 4-bit decoder on cuda:0, unquantized parts on cpu (the seed's layout), then the adapter",
               "", in_selftest=False),
+    Scenario(REDISPATCH, "train-step-fp32", f"{_TRAINING}:fp32_step",
+             "one LoRA SGD step over a Llama with layers 2-3 on disk: gradients and updates equal to the "
+             "in-memory step, base weights, checkpoint and offload files unchanged; upstream the adapters of the disk "
+             "layers are on meta (MmBackward0 returned an invalid gradient ... expected device meta)",
+             expected_error="RuntimeError"),
+    Scenario(REDISPATCH, "train-step-nf4", f"{_TRAINING}:nf4_double_quant_step",
+             "one LoRA SGD step over a 4-bit nf4 double-quant Llama with layers 2-3 dispatched to disk (upstream the "
+             "dispatch already fails: Tensor.item() on meta, bnb-quant-state-offload; with that patch alone the "
+             "gradients through the offloaded 4-bit layers are NaN)", expected_error="RuntimeError"),
+    _tuners("tuners-from-pretrained", "tuners_from_pretrained",
+            "Llama with layers 2-3 on disk + PeftModel.from_pretrained of a non-zero adapter of every tuner "
+            "(LoRA, rsLoRA, DoRA, modules_to_save in memory and on disk, embedding LoRA on disk, IA3, LoHa, LoKr, AdaLoRA, OFT, BOFT, VeRA): "
+            "logits and greedy tokens equal to the in-memory model", "AssertionError"),
+    _tuners("tuners-get-peft-model", "tuners_get_peft_model",
+            "Llama with layers 2-3 on disk + get_peft_model with a non-zero adapter of every tuner: upstream "
+            "leaves the adapters of offloaded layers on meta (silently wrong logits)", "AssertionError"),
+    _tuners("all-disk-redispatch", "all_disk_redispatch",
+            "PeftModel.from_pretrained(offloaded Llama, LoRA, max_memory={'cpu': 60_000}, offload_dir=...): the "
+            "re-dispatch map names only disk; accelerate < 1.15 refuses it (ValueError: offload the whole model "
+            "to the disk)", "ValueError"),
+    _tuners("lora-entry-points", "lora_entry_points",
+            "Llama with layers 2-3 on disk + LoRA through load_adapter/set_adapter, AutoPeftModelForCausalLM, "
+            "PeftMixedModel, merge_and_unload, unload and save_pretrained", "AssertionError"),
 ]

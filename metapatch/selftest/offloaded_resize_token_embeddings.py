@@ -29,7 +29,7 @@ from typing import Any, Dict, List
 from ._harness import Scenario
 
 PATCH_ID = "offloaded-resize-token-embeddings"
-_MODULE = "metapatch.selftest.offloaded_resize"
+_MODULE = "metapatch.selftest.offloaded_resize_token_embeddings"
 OLD_VOCAB = 128
 
 DEVICE_MAP = {
@@ -69,7 +69,7 @@ def _observed(model: Any) -> Dict[str, Any]:
 
 
 def _hashes_of(*folders: Path) -> Dict[str, str]:
-    from .peft_offload import _hashes
+    from ._peft import _hashes
 
     return {f"{folder.name}/{name}": digest for folder in folders if folder.exists()
             for name, digest in _hashes(folder).items()}
@@ -89,7 +89,7 @@ def run_resizes(workdir: Path, tied: bool, calls: List[Dict[str, Any]]) -> Dict[
     from transformers import LlamaForCausalLM
 
     from ._models import max_abs_diff, save_tiny_llama
-    from .peft_offload import _SideEffects
+    from ._peft import _SideEffects
 
     checkpoint = save_tiny_llama(workdir / "ckpt", tie_word_embeddings=tied)
     original_rows = load_file(str(checkpoint / "model.safetensors"))["model.embed_tokens.weight"]

@@ -1,4 +1,5 @@
-"""Reproducers for ``peft-offload-redispatch``: one LoRA training step over an offloaded base.
+"""Scenario functions of ``peft-offload-redispatch`` (declared in ``peft_offload_redispatch.py``):
+one LoRA training step over an offloaded base.
 
 A tiny Llama with layers 2-3 offloaded to disk (fp32 through ``from_pretrained`` with a device map
 and ``offload_folder``; 4-bit nf4 double quant quantized on the CPU and then dispatched to disk) gets
@@ -20,11 +21,6 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Dict, Tuple
-
-from ._harness import Scenario
-
-REDISPATCH = "peft-offload-redispatch"
-_MODULE = "metapatch.selftest.peft_training"
 
 
 def _lora() -> Any:
@@ -105,13 +101,13 @@ def _logits(model: Any) -> Any:
 
 
 def _hashes_of(folder: Path) -> Dict[str, str]:
-    from .peft_offload import _hashes
+    from ._peft import _hashes
 
     return _hashes(folder) if folder.exists() else {}
 
 
 def _run(workdir: Path, load_in_memory: Any, load_offloaded: Any, checkpoint: Path) -> Dict[str, Any]:
-    from .peft_offload import _SideEffects
+    from ._peft import _SideEffects
 
     want, _ = train_step(load_in_memory())
     untouched = _logits(load_in_memory())
@@ -149,16 +145,3 @@ def nf4_double_quant_step(workdir: Path) -> Dict[str, Any]:
     config = quant_config("nf4", True)
     return _run(workdir, lambda: load_quantized(checkpoint, config),
                 lambda: dispatch(load_quantized(checkpoint, config), workdir), checkpoint)
-
-
-SCENARIOS = [
-    Scenario(REDISPATCH, "train-step-fp32", f"{_MODULE}:fp32_step",
-             "one LoRA SGD step over a Llama with layers 2-3 on disk: gradients and updates equal to the "
-             "in-memory step, base weights, checkpoint and offload files unchanged; upstream the adapters of the disk "
-             "layers are on meta (MmBackward0 returned an invalid gradient ... expected device meta)",
-             expected_error="RuntimeError"),
-    Scenario(REDISPATCH, "train-step-nf4", f"{_MODULE}:nf4_double_quant_step",
-             "one LoRA SGD step over a 4-bit nf4 double-quant Llama with layers 2-3 dispatched to disk (upstream the "
-             "dispatch already fails: Tensor.item() on meta, bnb-quant-state-offload; with that patch alone the "
-             "gradients through the offloaded 4-bit layers are NaN)", expected_error="RuntimeError"),
-]

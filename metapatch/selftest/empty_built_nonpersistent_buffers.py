@@ -1,57 +1,33 @@
-"""Reproducers for non-persistent buffers of empty-built models (empty-built-nonpersistent-buffers,
-empty-init-nonpersistent-buffers).
+"""Reproducers for ``empty-built-nonpersistent-buffers``: non-persistent buffers of models that
+transformers 5 ``from_pretrained`` builds on meta.
 
 A non-persistent buffer is never in a checkpoint: it has the value its module's constructor computes
-or none at all. Two ways a load leaves it without one:
-- transformers 5 ``from_pretrained`` builds on meta and gives every non-persistent buffer
-  ``torch.empty_like`` memory (``zeros_like`` on FSDP ranks != 0), counting on ``_init_weights`` to
-  recompute it; a custom (remote-code style) module's buffer that ``_init_weights`` does not know keeps
-  the garbage (huggingface/transformers#48892). The model here is a registered custom class
-  (``AutoConfig``/``AutoModelForCausalLM``) whose rotary-style ``inv_freq`` is such a buffer.
-- accelerate ``init_empty_weights(include_buffers=True)`` keeps rotary ``inv_freq`` on meta:
-  ``load_checkpoint_and_dispatch`` fails (``we need a `value```); after ``to_empty()`` it is garbage.
+or none at all. transformers 5 ``from_pretrained`` builds on meta and gives every non-persistent buffer
+``torch.empty_like`` memory (``zeros_like`` on FSDP ranks != 0), counting on ``_init_weights`` to
+recompute it; a custom (remote-code style) module's buffer that ``_init_weights`` does not know keeps
+the garbage (huggingface/transformers#48892). The model here is a registered custom class
+(``AutoConfig``/``AutoModelForCausalLM``) whose rotary-style ``inv_freq`` is such a buffer.
 
 Uninitialised memory can by chance hold the right bytes, so the scenarios make it deterministic: while
-the load runs, ``torch.empty_like`` returns memory filled with NaN (a sentinel of the scenario only;
-the patches detect unwritten buffers by tensor identity and version, never by value). Fixed means the
-loaded model's buffers and logits equal (torch.equal) the model built normally in memory.
+the load runs, ``torch.empty_like`` returns memory filled with NaN (``_models.nan_sentinel``, a sentinel
+of the scenario only; the patch detects unwritten buffers by tensor identity and version, never by
+value). Fixed means the loaded model's buffers and logits equal (torch.equal) the model built
+normally in memory.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 from pathlib import Path
-from typing import Any, Dict, Iterator
+from typing import Any, Dict
 
 from . import NotApplicable
 from ._harness import Scenario
-from ._models import input_ids, max_abs_diff, tiny_llama_config
+from ._models import input_ids, max_abs_diff, nan_sentinel
 
 FROM_PRETRAINED = "empty-built-nonpersistent-buffers"
-EMPTY_INIT = "empty-init-nonpersistent-buffers"
 _VOCAB = 128
 _TIMEOUT = 150
-
-
-@contextlib.contextmanager
-def nan_sentinel() -> Iterator[None]:
-    """``torch.empty_like`` memory filled with NaN while active: a buffer nobody wrote shows as NaN."""
-    import torch
-
-    original = torch.empty_like
-
-    def empty_like(*args: Any, **kwargs: Any) -> Any:
-        value = original(*args, **kwargs)
-        if value.is_floating_point() and not value.is_meta:
-            value.fill_(float("nan"))
-        return value
-
-    torch.empty_like = empty_like
-    try:
-        yield
-    finally:
-        torch.empty_like = original
 
 
 def _within_measured() -> None:
@@ -232,72 +208,6 @@ def fsdp_ranks_buffer(workdir: Path) -> Dict[str, Any]:
     return metrics
 
 
-# -- accelerate init_empty_weights(include_buffers=True) ------------------------------------------
-
-def _empty_llama() -> Any:
-    from accelerate import init_empty_weights
-    from transformers import LlamaForCausalLM
-
-    with init_empty_weights(include_buffers=True):
-        model = LlamaForCausalLM(tiny_llama_config())
-    if not model.model.rotary_emb.inv_freq.is_meta:
-        raise AssertionError("init_empty_weights(include_buffers=True) left inv_freq off meta: nothing to test")
-    return model
-
-
-def _reference_llama(workdir: Path) -> Any:
-    import torch
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(tiny_llama_config()).eval()
-    model.save_pretrained(workdir / "ckpt")
-    with torch.no_grad():
-        return model(input_ids()).logits
-
-
-def _dispatched_logits(model: Any, workdir: Path, device_map: Any) -> Any:
-    import torch
-    from accelerate import load_checkpoint_and_dispatch
-
-    model = load_checkpoint_and_dispatch(model, str(workdir / "ckpt"), device_map=device_map,
-                                         offload_folder=str(workdir / "offload")).eval()
-    with torch.no_grad():
-        return model(input_ids()).logits
-
-
-_SPLIT = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk", "model.layers.2": "cpu",
-          "model.layers.3": "disk", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
-
-
-def _equal_logits(got: Any, want: Any) -> Dict[str, Any]:
-    import torch
-
-    if not torch.equal(got, want):
-        raise AssertionError(f"logits differ: max abs diff {max_abs_diff(got, want)}")
-    return {"max_abs_diff": 0.0}
-
-
-def include_buffers_dispatch(workdir: Path) -> Dict[str, Any]:
-    want = _reference_llama(workdir)
-    return _equal_logits(_dispatched_logits(_empty_llama(), workdir, _SPLIT), want)
-
-
-def to_empty_dispatch(workdir: Path) -> Dict[str, Any]:
-    import torch
-
-    want = _reference_llama(workdir)
-    model = _empty_llama()
-    with nan_sentinel():
-        model.to_empty(device="cpu")
-    got = _dispatched_logits(model, workdir, {"": "cpu"})
-    rotary = model.model.rotary_emb
-    expected = type(rotary)(config=tiny_llama_config()).inv_freq
-    if not torch.equal(rotary.inv_freq, expected):
-        raise AssertionError(f"rotary inv_freq {rotary.inv_freq[:4].tolist()}... != constructor's {expected[:4].tolist()}...")
-    return _equal_logits(got, want)
-
-
 SCENARIOS = [
     Scenario(FROM_PRETRAINED, "custom-buffer-in-memory", f"{__name__}:custom_buffer_in_memory",
              "a registered custom causal LM whose rotary inv_freq (non-persistent) _init_weights does not recompute, "
@@ -311,12 +221,4 @@ SCENARIOS = [
              "every rank's buffer after load and prepare, and its logits, equal the in-memory model "
              "(unpatched: rank 0 empty_like, rank 1 zeros)",
              expected_error="AssertionError", in_selftest=False),
-    Scenario(EMPTY_INIT, "include-buffers-dispatch", f"{__name__}:include_buffers_dispatch",
-             "LlamaForCausalLM built with init_empty_weights(include_buffers=True), load_checkpoint_and_dispatch over "
-             "cpu and disk: logits equal the in-memory model (unpatched: inv_freq is on the meta device)",
-             expected_error="ValueError"),
-    Scenario(EMPTY_INIT, "to-empty-dispatch", f"{__name__}:to_empty_dispatch",
-             "the same model after to_empty(device='cpu'), load_checkpoint_and_dispatch: logits equal the in-memory "
-             "model (unpatched: inv_freq is to_empty memory)",
-             expected_error="AssertionError"),
 ]

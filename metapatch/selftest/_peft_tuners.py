@@ -1,4 +1,5 @@
-"""Reproducers for ``peft-offload-redispatch`` across PEFT's tuners and entry points.
+"""Scenario functions of ``peft-offload-redispatch`` (declared in ``peft_offload_redispatch.py``)
+across PEFT's tuners and entry points.
 
 A tiny Llama (4 layers, hidden 64: every supported transformers has it) is saved as a random
 checkpoint and loaded with layers 0-1 on ``cpu`` and 2-3 on ``disk`` (``offload_folder`` in the work
@@ -9,7 +10,7 @@ are equal, or when metapatch refuses with a ``MetapatchError`` that the case all
 (a difference, an upstream error) fails the scenario, naming every failing case.
 
 Every case also checks that nothing was written outside the offload folders and that the checkpoint
-kept its hashes (:class:`metapatch.selftest.peft_offload._SideEffects`).
+kept its hashes (:class:`metapatch.selftest._peft._SideEffects`).
 """
 
 from __future__ import annotations
@@ -17,10 +18,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Tuple
 
-from ._harness import Scenario
-
-REDISPATCH = "peft-offload-redispatch"
-_MODULE = "metapatch.selftest.peft_tuners"
 _NEW_TOKENS = 3
 _ATTENTION = ["q_proj", "v_proj"]
 _MIXED = ["v_proj", "up_proj"]
@@ -242,7 +239,7 @@ def run_cases(workdir: Path, cases: List[Tuple[str, str]], refusals: Tuple[str, 
     ``refusals`` names the cases for which a MetapatchError is an accepted outcome."""
     from metapatch import MetapatchError
 
-    from .peft_offload import _SideEffects
+    from ._peft import _SideEffects
 
     bench = _Bench(workdir)
     watch = _SideEffects(workdir, bench.checkpoint, ("offload", "adapters"))
@@ -294,7 +291,7 @@ def all_disk_redispatch(workdir: Path) -> Dict[str, Any]:
     disk. Please use the disk_offload function instead"), advice a PEFT user cannot follow."""
     from peft import PeftModel
 
-    from .peft_offload import _SideEffects
+    from ._peft import _SideEffects
 
     bench = _Bench(workdir)
     adapter = bench.adapter("lora")
@@ -310,25 +307,3 @@ def all_disk_redispatch(workdir: Path) -> Dict[str, Any]:
     if problems:
         raise AssertionError("all-disk re-dispatch wrote outside the offload folders: " + "; ".join(problems))
     return {"max_abs_diff": 0.0, "devices": sorted(placement)}
-
-
-def _scenario(name: str, func: str, description: str, error: str) -> Scenario:
-    return Scenario(REDISPATCH, name, f"{_MODULE}:{func}", description, expected_error=error)
-
-
-SCENARIOS = [
-    _scenario("tuners-from-pretrained", "tuners_from_pretrained",
-              "Llama with layers 2-3 on disk + PeftModel.from_pretrained of a non-zero adapter of every tuner "
-              "(LoRA, rsLoRA, DoRA, modules_to_save in memory and on disk, embedding LoRA on disk, IA3, LoHa, LoKr, AdaLoRA, OFT, BOFT, VeRA): "
-              "logits and greedy tokens equal to the in-memory model", "AssertionError"),
-    _scenario("tuners-get-peft-model", "tuners_get_peft_model",
-              "Llama with layers 2-3 on disk + get_peft_model with a non-zero adapter of every tuner: upstream "
-              "leaves the adapters of offloaded layers on meta (silently wrong logits)", "AssertionError"),
-    _scenario("all-disk-redispatch", "all_disk_redispatch",
-              "PeftModel.from_pretrained(offloaded Llama, LoRA, max_memory={'cpu': 60_000}, offload_dir=...): the "
-              "re-dispatch map names only disk; accelerate < 1.15 refuses it (ValueError: offload the whole model "
-              "to the disk)", "ValueError"),
-    _scenario("lora-entry-points", "lora_entry_points",
-              "Llama with layers 2-3 on disk + LoRA through load_adapter/set_adapter, AutoPeftModelForCausalLM, "
-              "PeftMixedModel, merge_and_unload, unload and save_pretrained", "AssertionError"),
-]

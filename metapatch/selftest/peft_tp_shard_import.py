@@ -1,0 +1,62 @@
+"""Two-rank reproducer for ``peft-tp-shard-import`` (gloo on CPU): ``PeftModel.from_pretrained`` on
+every rank of a running process group, compared with the adapter loaded in one process without a
+group.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict
+
+from ._fsdp import lora_model, within_measured
+from ._harness import Scenario
+from ._models import input_ids, max_abs_diff, save_tiny_llama
+from ._ranks import backend, raise_first_error, run_ranks
+
+TP_IMPORT = "peft-tp-shard-import"
+_TIMEOUT = 300  # two ranks importing torch + transformers on a loaded 2-core machine took up to ~150 s
+
+
+# -- PeftModel.from_pretrained while a process group is running ------------------------------------
+
+def _load_rank(rank: int, world_size: int, workdir: Path) -> Dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    dist.init_process_group(backend())
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(workdir / "ckpt"), workdir / "adapter").eval()
+    with torch.no_grad():
+        return {"logits": model(input_ids=input_ids()).logits}
+
+
+def adapter_load_under_group(workdir: Path) -> Dict[str, Any]:
+    """A saved non-zero LoRA adapter loaded with ``PeftModel.from_pretrained`` on each of two ranks
+    of a running gloo group (as any FSDP/DDP/DeepSpeed script does): every rank's logits equal the
+    adapter loaded in one process without a group."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    within_measured(peft="0.19")
+    save_tiny_llama(workdir / "ckpt")
+    lora_model(workdir / "ckpt").save_pretrained(workdir / "adapter")
+    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(workdir / "ckpt"), workdir / "adapter").eval()
+    with torch.no_grad():
+        logits = reference(input_ids=input_ids()).logits
+    reports = run_ranks(f"{__name__}:_load_rank", workdir, timeout=_TIMEOUT)
+    raise_first_error(reports)
+    metrics = {f"rank{r['rank']}_logits_diff": max_abs_diff(r["result"]["logits"], logits) for r in reports}
+    metrics["max_abs_diff"] = max(metrics.values())
+    if metrics["max_abs_diff"] > 0:
+        raise AssertionError(f"a rank's adapter differs from one process's: {metrics}")
+    return metrics
+
+
+SCENARIOS = [
+    Scenario(TP_IMPORT, "adapter-load-under-group", f"{__name__}:adapter_load_under_group",
+             "PeftModel.from_pretrained on two ranks of a running gloo group: every rank's logits equal "
+             "one process's",
+             expected_error="ImportError"),
+]
