@@ -131,8 +131,8 @@ class Patch:
     target (each for its own bug): the registry applies those first, keeps that order whichever is
     imported or installed first, and takes this one off and puts it back when one of them is unpatched.
 
-    ``diffs`` are found in ``upstream_diffs/<id>/`` (:func:`metapatch._diff_files.diff_paths_of`) unless
-    the record lists them (a test's fake patch, whose diffs live elsewhere).
+    ``diffs`` are found in ``upstream_diffs/<id>/`` (:func:`metapatch._diff_files.diff_paths_of`); only a
+    test's fake patch, whose diffs live elsewhere, lists them (shipped records never do: a test checks).
 
     ``selftest`` is the selftest module of the patch's own scenarios (``Scenario.patch_id``); a record
     names one only when it has no scenario of its own and is exercised by another patch's.

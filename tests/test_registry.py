@@ -592,17 +592,16 @@ def test_unpatching_the_inner_patch_of_a_stack_leaves_no_wrapper_inside_the_oute
     assert out["all off"] == 20 and out["original back"] is True
 
 
-def test_records_that_list_their_diffs_list_what_their_folder_holds():
-    # Patch.diffs is found in upstream_diffs/<id>/; a record may still list them (older records,
-    # a test's fake patch), and then the two must not drift apart.
+def test_shipped_records_derive_their_diffs():
+    # Patch.diffs is what upstream_diffs/<id>/ holds, derived only: a record that listed them would
+    # be a second source that drifts (diffs= is for a test's fake patch, whose diffs live elsewhere).
     from metapatch._diff_files import diff_paths_of
     from metapatch._registry import load_patches
 
     records = load_patches()
-    listed = {p.id: p._diffs for p in records if p._diffs is not None}
-    assert {pid: diff_paths_of(pid) for pid in listed} == listed
+    assert [p.id for p in records if p._diffs is not None] == []
     assert all(p.diffs == diff_paths_of(p.id) for p in records)
-    assert any(p.diffs for p in records if p._diffs is None)  # the derived ones are really found
+    assert any(p.diffs for p in records)  # the derived ones are really found
 
 
 def test_patches_sharing_a_target_declare_their_order():
@@ -624,6 +623,30 @@ def test_patches_sharing_a_target_declare_their_order():
     assert undeclared == {}, "declare Patch.wraps_over for " + repr(undeclared)
     for patch in records.values():
         assert set(patch.wraps_over) <= set(records), f"{patch.id} wraps over an unknown patch"
+
+
+def test_patches_sharing_a_target_read_one_fingerprint_list():
+    # A target two records wrap has its fingerprints declared once (metapatch._shared_targets): each
+    # record lists a tail of that list (from the first release it claims), never a copy of its own.
+    from collections import defaultdict
+
+    from metapatch._registry import load_patches
+    from metapatch._shared_targets import FINGERPRINTS
+
+    by_target = defaultdict(list)
+    for patch in load_patches():
+        for target in patch.targets:
+            by_target[target.dotted].append((patch.id, target.fingerprints))
+    shared = {dotted: found for dotted, found in by_target.items() if len({i for i, _ in found}) > 1}
+    ids = {dotted: tuple(v[0] for v in variants) for dotted, variants in FINGERPRINTS.items()}
+    # the -v4 siblings of ModuleUtilsMixin.device patch disjoint release lines: nothing to share
+    for dotted, found in shared.items():
+        if dotted not in ids:
+            assert not set.intersection(*(set(f) for _, f in found)), f"{dotted}: declare it in _shared_targets"
+            continue
+        for patch_id, fingerprints in found:
+            assert fingerprints and ids[dotted][-len(fingerprints):] == fingerprints, (patch_id, dotted)
+    assert set(ids) <= set(shared), "a shared list no longer shared: move it back into its record"
 
 
 def _ranges_overlap(patches) -> bool:
@@ -652,6 +675,7 @@ def test_patch_selftest_is_the_module_of_its_own_scenarios():
         own.setdefault(scenario.patch_id, []).append(scenario.function.partition(":")[0])
     for patch in load_patches():
         if patch.id in own:
+            assert patch._selftest is None, f"{patch.id} declares selftest=: it is derived from its scenarios"
             assert patch.selftest in own[patch.id], (patch.id, patch.selftest, own[patch.id])
         else:
             assert patch._selftest is not None, f"{patch.id} has no scenario: name the module that exercises it"

@@ -146,5 +146,4 @@ PATCH = Patch(
         note="fixed in accelerate 1.15.0 by huggingface/accelerate#4206 (trainable parameters gathered under "
              "the model's key names); the diff here is a backport for 1.14 that keeps peft's key names",
     ),
-    diffs=("upstream_diffs/accelerate-fsdp2-adapter-state/accelerate.diff",),
 )

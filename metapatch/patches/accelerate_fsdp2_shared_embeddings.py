@@ -24,6 +24,7 @@ from typing import Any, List, Set
 
 from metapatch._calls import signature_of
 from metapatch._records import Patch, Target, Upstream
+from metapatch._shared_targets import shared_fingerprints
 
 PATCH_ID = "accelerate-fsdp2-shared-embeddings"
 
@@ -96,8 +97,7 @@ PATCH = Patch(
     affects={"accelerate": ">=1.14", "torch": ">=2.13"},
     targets=(
         Target("accelerate.utils.fsdp_utils", "fsdp2_prepare_model",
-               fingerprints=("13a713c1f6c4e775",  # accelerate 1.14.0
-                             "fcc073ba365290bd"),  # accelerate 1.15.0
+               fingerprints=shared_fingerprints("accelerate.utils.fsdp_utils:fsdp2_prepare_model", since="1.14.0"),
                wrapper=_prepare,
                aliases=("accelerate.utils:fsdp2_prepare_model", "accelerate.accelerator:fsdp2_prepare_model")),
     ),
@@ -107,5 +107,4 @@ PATCH = Patch(
         note="accelerate 1.15 (#4171) groups get_input_embeddings and get_output_embeddings; other modules "
              "holding the tied weight (BART's encoder/decoder embed_tokens) are still left to the root",
     ),
-    diffs=("upstream_diffs/accelerate-fsdp2-shared-embeddings/accelerate.diff",),
 )

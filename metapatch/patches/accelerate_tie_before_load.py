@@ -35,6 +35,7 @@ from typing import Any, Dict, List, Tuple
 
 from metapatch._calls import signature_of
 from metapatch._records import MetapatchError, Patch, Target, Upstream
+from metapatch._shared_targets import shared_fingerprints
 from metapatch._tied_groups import _declared_mappings
 
 PATCH_ID = "accelerate-tie-before-load"
@@ -208,8 +209,7 @@ PATCH = Patch(
                fingerprints=("fdfe5f0205f72033",),  # accelerate 1.10.0 - 1.15.0 (unchanged)
                wrapper=_tie_then_load, aliases=("accelerate:load_checkpoint_and_dispatch",)),
         Target("accelerate.utils.modeling", "load_checkpoint_in_model",
-               fingerprints=("5b18bd1bf317a2c4",  # accelerate 1.10.0 - 1.10.1
-                             "18e8cb3be7919183"),  # accelerate 1.11.0 - 1.15.0
+               fingerprints=shared_fingerprints("accelerate.utils.modeling:load_checkpoint_in_model"),
                wrapper=_tie_then_load_in_model,
                aliases=("accelerate:load_checkpoint_in_model", "accelerate.utils:load_checkpoint_in_model",
                         "accelerate.big_modeling:load_checkpoint_in_model")),

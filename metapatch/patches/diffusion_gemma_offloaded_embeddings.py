@@ -45,5 +45,4 @@ PATCH = Patch(
              "see the upstream diff. On 5.24.0 the shipped scenario no longer reproduces it although the "
              "decoder still reads the weight directly (not explained yet).",
     ),
-    diffs=("upstream_diffs/diffusion-gemma-offloaded-embeddings/transformers.diff",),
 )

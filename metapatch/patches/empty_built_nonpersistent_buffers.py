@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from metapatch._records import Patch, Target, Upstream
+from metapatch._shared_targets import shared_fingerprints
 
 PATCH_ID = "empty-built-nonpersistent-buffers"
 _PENDING = "_metapatch_materialised_buffers"
@@ -58,9 +59,8 @@ PATCH = Patch(
     affects={"transformers": ">=5.7"},
     targets=(
         Target("transformers.modeling_utils", "PreTrainedModel._move_missing_keys_from_meta_to_device",
-               fingerprints=("eed015c788f0819c",  # transformers 5.7.0 .. 5.15.1
-                             "c983ef0a97739742",  # transformers 5.16.0 .. 5.22.2
-                             "c92710a756fd8d14"),  # transformers 5.23.0, 5.24.0
+               fingerprints=shared_fingerprints(
+                   "transformers.modeling_utils:PreTrainedModel._move_missing_keys_from_meta_to_device"),
                wrapper=_move_missing_keys),
         Target("transformers.modeling_utils", "PreTrainedModel._initialize_missing_keys",
                fingerprints=("8b211544bd4de84a",),  # transformers 5.7.0 .. 5.24.0
@@ -72,5 +72,4 @@ PATCH = Patch(
         note="transformers: recompute the non-persistent buffers _init_weights left unwritten from a "
              "config rebuild with parameters on meta",
     ),
-    diffs=("upstream_diffs/empty-built-nonpersistent-buffers/transformers.diff",),
 )

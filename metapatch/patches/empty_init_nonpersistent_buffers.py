@@ -28,6 +28,7 @@ from typing import Any, Iterator
 
 from metapatch._calls import signature_of
 from metapatch._records import Patch, Target, Upstream
+from metapatch._shared_targets import shared_fingerprints
 
 PATCH_ID = "empty-init-nonpersistent-buffers"
 _EMPTIED: "weakref.WeakKeyDictionary[Any, list]" = weakref.WeakKeyDictionary()
@@ -96,8 +97,7 @@ PATCH = Patch(
                fingerprints=("621cbc22b7052a8d",),  # torch 2.13.0
                wrapper=_to_empty),
         Target("accelerate.utils.modeling", "load_checkpoint_in_model",
-               fingerprints=("5b18bd1bf317a2c4",  # accelerate 1.10.0 - 1.10.1
-                             "18e8cb3be7919183"),  # accelerate 1.11.0 - 1.15.0
+               fingerprints=shared_fingerprints("accelerate.utils.modeling:load_checkpoint_in_model"),
                wrapper=_load_checkpoint_in_model,
                aliases=("accelerate:load_checkpoint_in_model", "accelerate.utils:load_checkpoint_in_model",
                         "accelerate.big_modeling:load_checkpoint_in_model")),
@@ -109,5 +109,4 @@ PATCH = Patch(
         note="accelerate: init_on_device(include_buffers=True) records module constructor calls; "
              "load_checkpoint_in_model recomputes the non-persistent buffers still on meta from them",
     ),
-    diffs=("upstream_diffs/empty-init-nonpersistent-buffers/accelerate.diff",),
 )

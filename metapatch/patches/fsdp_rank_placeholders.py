@@ -33,6 +33,7 @@ from typing import Any
 
 from metapatch._calls import signature_of
 from metapatch._records import MetapatchError, Patch, Target, Upstream
+from metapatch._shared_targets import shared_fingerprints
 
 PATCH_ID = "fsdp-rank-placeholders"
 _LOADED = "_metapatch_fsdp_loaded"
@@ -131,9 +132,8 @@ PATCH = Patch(
     affects={"transformers": ">=5.7", "accelerate": ">=1.13"},
     targets=(
         Target("transformers.modeling_utils", "PreTrainedModel._move_missing_keys_from_meta_to_device",
-               fingerprints=("eed015c788f0819c",  # transformers 5.7.0 .. 5.15.1
-                             "c983ef0a97739742",  # transformers 5.16.0 .. 5.22.2
-                             "c92710a756fd8d14"),  # transformers 5.23.0, 5.24.0
+               fingerprints=shared_fingerprints(
+                   "transformers.modeling_utils:PreTrainedModel._move_missing_keys_from_meta_to_device"),
                wrapper=_move_missing_keys),
         Target("accelerate.accelerator", "Accelerator.prepare_model",
                fingerprints=("aad7fb2d2c1ed103",  # accelerate 1.13.0
@@ -141,9 +141,7 @@ PATCH = Patch(
                              "39d2ccde29f46bbe"),  # accelerate 1.15.0
                wrapper=_prepare_model),
         Target("accelerate.utils.fsdp_utils", "fsdp2_prepare_model",
-               fingerprints=("1a0bf6a75352e1ea",  # accelerate 1.13.0
-                             "13a713c1f6c4e775",  # accelerate 1.14.0
-                             "fcc073ba365290bd"),  # accelerate 1.15.0
+               fingerprints=shared_fingerprints("accelerate.utils.fsdp_utils:fsdp2_prepare_model"),
                wrapper=_fsdp2_prepare_model,
                aliases=("accelerate.utils:fsdp2_prepare_model", "accelerate.accelerator:fsdp2_prepare_model")),
     ),
@@ -155,7 +153,6 @@ PATCH = Patch(
         note="accelerate: prepare_model(evaluation_mode=True) and fsdp2_prepare_model broadcast rank 0's "
              "state to a model loaded with cpu_ram_efficient_loading",
     ),
-    diffs=("upstream_diffs/fsdp-rank-placeholders/accelerate.diff",),
     # Outermost on both shared targets, the order the two-rank tests measured: the buffer refill runs inside
     # the placeholder bookkeeping at load, and the shared-embedding grouping inside the broadcast at prepare.
     wraps_over=("accelerate-fsdp2-shared-embeddings", "empty-built-nonpersistent-buffers"),

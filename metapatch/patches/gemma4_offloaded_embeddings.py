@@ -63,5 +63,4 @@ PATCH = Patch(
         note="upstream fix: take the pad embedding through language_model.embed_tokens' forward, and recover "
              "input_ids inside a call that loads the offloaded weight; see the upstream diff",
     ),
-    diffs=("upstream_diffs/gemma4-offloaded-embeddings/transformers.diff",),
 )

@@ -20,6 +20,7 @@ from typing import Any
 
 from metapatch._calls import signature_of
 from metapatch._records import Patch, Target, Upstream
+from metapatch._shared_targets import shared_fingerprints
 
 PATCH_ID = "offloaded-outside-reads"
 
@@ -57,8 +58,7 @@ PATCH = Patch(
     affects={"accelerate": ">=1.0"},
     targets=(
         Target("accelerate.hooks", "attach_align_device_hook_on_blocks",
-               fingerprints=("ba8352e5bc395909",  # accelerate 1.10.0 - 1.10.1
-                             "a26f68e39cdf4503"),  # accelerate 1.11.0 - 1.15.0
+               fingerprints=shared_fingerprints("accelerate.hooks:attach_align_device_hook_on_blocks"),
                wrapper=_attach, aliases=("accelerate.big_modeling:attach_align_device_hook_on_blocks",)),
         Target("accelerate.hooks", "attach_align_device_hook",
                fingerprints=("84415ff7ec011b1f",),  # accelerate 1.10.0 - 1.15.0
@@ -70,5 +70,4 @@ PATCH = Patch(
         note="accelerate: dispatch_model finds forwards that read an offloaded child's tensors and "
              "keeps those children loaded while the reader runs; see the upstream diff",
     ),
-    diffs=("upstream_diffs/offloaded-outside-reads/accelerate.diff",),
 )

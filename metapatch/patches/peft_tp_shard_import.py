@@ -70,5 +70,4 @@ PATCH = Patch(
         note="fixed in peft 0.20.0 (the model is searched for tensor-parallel layers before the import); "
              "the diff is that order for 0.19.1",
     ),
-    diffs=("upstream_diffs/peft-tp-shard-import/peft.diff",),
 )

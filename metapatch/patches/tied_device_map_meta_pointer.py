@@ -11,6 +11,7 @@ this drops the shared ``0`` slot before the hooks are attached, which is the sam
 from __future__ import annotations
 
 from .._records import Patch, Target, Upstream
+from .._shared_targets import shared_fingerprints
 
 PATCH_ID = "tied-device-map-meta-pointer"
 
@@ -31,10 +32,8 @@ PATCH = Patch(
     targets=(
         Target(
             "accelerate.hooks", "attach_align_device_hook_on_blocks",
-            fingerprints=(
-                "ba8352e5bc395909",  # accelerate 1.10.x (annotations only differ; same call)
-                "a26f68e39cdf4503",  # accelerate 1.11.0 - 1.15.0 (1.15 fixed the caller, dispatch_model)
-            ),
+            # 1.15 fixed the caller (dispatch_model), not this function: the 1.15.0 code is listed too.
+            fingerprints=shared_fingerprints("accelerate.hooks:attach_align_device_hook_on_blocks"),
             wrapper=_attach_align_device_hook_on_blocks,
             aliases=("accelerate.big_modeling:attach_align_device_hook_on_blocks",),
         ),

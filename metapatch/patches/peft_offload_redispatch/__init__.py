@@ -133,8 +133,4 @@ PATCH = Patch(
         note="peft: load_adapter keeps the base placement and passes skip_keys; _update_offload writes nothing "
              "outside the offload folder; adapters of offloaded layers follow the base layer's hook",
     ),
-    diffs=("upstream_diffs/peft-offload-redispatch/peft-1-adapters-follow-offload-hook.diff",
-           "upstream_diffs/peft-offload-redispatch/peft-2-onload-layer-reads-one-layer.diff",
-           "upstream_diffs/peft-offload-redispatch/peft-3-no-checkpoint-rewrite.diff",
-           "upstream_diffs/peft-offload-redispatch/peft-4-keep-placement-and-skip-keys.diff"),
 )
