@@ -74,5 +74,5 @@ SCENARIOS = [
     Scenario(PLAIN_BUFFERS, "persistent-buffer-prepare", f"{__name__}:persistent_buffer_prepare",
              "a DeepSeek-V3-style MoE gate's persistent e_score_correction_bias through accelerator.prepare with FSDP2 cpu_ram_efficient_loading "
              "(two ranks, gloo): every rank's logits equal one process's",
-             expected_error="AttributeError"),
+             expected_error="AttributeError", expected_message="has no attribute 'device_mesh'"),
 ]

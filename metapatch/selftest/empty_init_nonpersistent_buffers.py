@@ -88,7 +88,7 @@ SCENARIOS = [
     Scenario(EMPTY_INIT, "include-buffers-dispatch", f"{__name__}:include_buffers_dispatch",
              "LlamaForCausalLM built with init_empty_weights(include_buffers=True), load_checkpoint_and_dispatch over "
              "cpu and disk: logits equal the in-memory model (unpatched: inv_freq is on the meta device)",
-             expected_error="ValueError"),
+             expected_error="ValueError", expected_message="is on the meta device, we need a `value`"),
     Scenario(EMPTY_INIT, "to-empty-dispatch", f"{__name__}:to_empty_dispatch",
              "the same model after to_empty(device='cpu'), load_checkpoint_and_dispatch: logits equal the in-memory "
              "model (unpatched: inv_freq is to_empty memory)",

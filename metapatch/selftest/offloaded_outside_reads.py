@@ -108,5 +108,5 @@ SCENARIOS = [
              "a remote-code-style model reading embed.weight[pad], embed.weight.device, norm.bias and calling "
              "experts.mix() from its forward, with those modules on disk: logits and greedy generate() equal the "
              "in-memory model (unpatched: NotImplementedError 'Cannot copy out of meta tensor')",
-             expected_error="NotImplementedError"),
+             expected_error="NotImplementedError", expected_message="Cannot copy out of meta tensor"),
 ]

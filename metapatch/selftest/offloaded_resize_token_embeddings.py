@@ -157,15 +157,21 @@ def resize_without_mean_resizing(workdir: Path) -> Dict[str, Any]:
     return run_resizes(workdir, tied=False, calls=[{"new_num_tokens": 140, "mean_resizing": False}])
 
 
+# The upstream errors (regular expressions): mean resizing reads the old weight on meta; without it, the
+# first forward puts the old (128, 64) weight from the hook's weights map into the resized embedding.
+_ITEM_ON_META = r"Tensor\.item\(\) cannot be called on meta tensors"
+_OLD_SHAPE = r"Trying to set a tensor of shape torch\.Size\(\[128, 64\]\)"
+
 SCENARIOS = [
     Scenario(PATCH_ID, "resize-offloaded-untied", f"{_MODULE}:resize_untied",
              "resize_token_embeddings(140) (mean resizing), (150, pad_to_multiple_of=8, mean_resizing=False), (120) on "
              "a Llama with embed_tokens and lm_head on disk: weights, logits and greedy tokens equal the in-memory "
-             "model's; nothing written", expected_error="RuntimeError"),
+             "model's; nothing written", expected_error="RuntimeError", expected_message=_ITEM_ON_META),
     Scenario(PATCH_ID, "resize-offloaded-tied", f"{_MODULE}:resize_tied",
              "the same with tie_word_embeddings=True: the head stays the embedding's parameter",
-             expected_error="RuntimeError"),
+             expected_error="RuntimeError", expected_message=_ITEM_ON_META),
     Scenario(PATCH_ID, "resize-offloaded-no-mean-resizing", f"{_MODULE}:resize_without_mean_resizing",
              "resize_token_embeddings(140, mean_resizing=False): upstream's resize returns and the first forward "
-             "fails in set_module_tensor_to_device (the reported error)", expected_error="ValueError"),
+             "fails in set_module_tensor_to_device (the reported error)", expected_error="ValueError",
+             expected_message=_OLD_SHAPE),
 ]

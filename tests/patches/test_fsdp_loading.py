@@ -19,20 +19,10 @@ from metapatch.patches.peft_tp_shard_import import PATCH as TP_IMPORT
 from metapatch.selftest import run_scenario, scenarios_for
 from metapatch.selftest._ranks import raise_first_error, run_ranks
 
-from _three_way import assert_equals_reference, upstream_diff_copy  # tests/patches/_three_way.py
+from _three_way import ThreeWayCase  # tests/patches/_three_way.py
 
 pytestmark = pytest.mark.ranks
 PATCHES = {p.id: p for p in (PLACEHOLDERS, PLAIN_BUFFERS, ADAPTER_STATE, TP_IMPORT, SHARED_EMBEDDINGS)}
-# What the unpatched run says where the patch's range holds (the upstream error, in its own words).
-UPSTREAM_MESSAGE = {
-    PLAIN_BUFFERS.id: "has no attribute 'device_mesh'",
-    PLACEHOLDERS.id: "'rank0_logits_diff': 0.0",  # rank 0 is right, rank 1 is the one that differs
-    ADAPTER_STATE.id: "the saved adapter holds rank 0's shard only",
-    TP_IMPORT.id: "cannot import name 'EmbeddingParallel'",
-    SHARED_EMBEDDINGS.id: "is shared with a parameter already managed by another FSDP group",
-}
-
-
 def _fixed_upstream_here(scenario):
     """A scenario whose own bug an upstream release inside the patch's range already fixed: the
     tied causal LM on accelerate 1.15 (huggingface/accelerate#4171; BART's tie is still open there)."""
@@ -88,38 +78,59 @@ def test_failing_rank_is_reported_with_its_error(tmp_path):
     assert type(raised.value).__name__ == "KeyError" and "rank 1" in str(raised.value)
 
 
-# -- three-way proof -------------------------------------------------------------------------------
+# -- three-way proof (the upstream errors, in their own words, are on the scenarios) -----------------
 
 def _gate(scenario):
     return metapatch.registry.gate(PATCHES[scenario.patch_id])
 
 
-@pytest.mark.parametrize("scenario", [s for s in CASES if s.expected_error], ids=lambda s: s.key)
-def test_unpatched(scenario):
+def _claimed(scenario) -> None:
     affected, why, _, _ = _gate(scenario)
-    if _fixed_upstream_here(scenario):
-        pytest.skip("accelerate >= 1.15 groups the input and output embeddings itself (#4171); test_patched still runs it")
-    outcome = run_scenario(scenario, patched=False)
     if not affected:
         pytest.skip(f"{scenario.patch_id} does not claim this stack ({why}); its range is what was measured")
-    assert not outcome.passed, f"{scenario.key} passed unpatched on an affected install ({why})"
-    assert outcome.error_type == scenario.expected_error, outcome.traceback or outcome.stderr_tail
-    assert UPSTREAM_MESSAGE[scenario.patch_id] in outcome.error, outcome.error
-    if scenario.patch_id == PLACEHOLDERS.id:
-        assert "'rank1_logits_diff': 0.0" not in outcome.error
 
 
-@pytest.mark.parametrize("scenario", [s for s in CASES if s.expected_error], ids=lambda s: s.key)
-def test_patched(scenario):
-    affected, why, _, _ = _gate(scenario)
-    if not affected:
-        pytest.skip(f"{scenario.patch_id} does not claim this stack ({why})")
-    outcome = run_scenario(scenario, patched=True)
-    assert_equals_reference(outcome, scenario.tolerance)
-    assert outcome.states[scenario.patch_id] == "applied"
-    if scenario.name == "eval-only-new-head":
-        # used before prepare: rank 0's model is right, rank 1 refuses instead of using its placeholders
-        assert outcome.metrics["rank0_early"] == "equal" and outcome.metrics["rank1_early"] == "refused", outcome.metrics
+class TestThreeWay(ThreeWayCase):
+    """Only where each patch's range holds (outside it the two-rank flows are other code variants,
+    measured by test_fixed_release_passes_unpatched); the diff legs are slow."""
+
+    patch_ids = tuple(PATCHES)
+
+    @classmethod
+    def scenarios(cls):
+        return [s for s in super().scenarios() if s.expected_error]  # train-step-new-head: its own test
+
+    def check_unpatched(self, scenario, outcome):
+        if scenario.patch_id == PLACEHOLDERS.id:
+            assert "'rank1_logits_diff': 0.0" not in outcome.error  # rank 0 is right, rank 1 differs
+
+    def check_patched(self, scenario, outcome):
+        if scenario.name == "eval-only-new-head":
+            # used before prepare: rank 0's model is right, rank 1 refuses instead of using its placeholders
+            assert outcome.metrics["rank0_early"] == "equal" and outcome.metrics["rank1_early"] == "refused", \
+                outcome.metrics
+
+    def check_diff(self, scenario, outcome):
+        if scenario.name == "eval-only-new-head":
+            # the diff broadcasts at prepare_model but does not refuse an earlier use (transformers would
+            # have to mark its placeholders; the runtime patch does): pinned, so the difference stays known
+            assert outcome.metrics["rank1_early"] == "differs", outcome.metrics
+
+    def test_unpatched(self, runs, scenario):
+        if _fixed_upstream_here(scenario):
+            pytest.skip("accelerate >= 1.15 groups the input and output embeddings itself (#4171); "
+                        "test_patched still runs it")
+        _claimed(scenario)
+        super().test_unpatched(runs, scenario)
+
+    def test_patched(self, runs, scenario):
+        _claimed(scenario)
+        super().test_patched(runs, scenario)
+
+    @pytest.mark.slow
+    def test_upstream_diff_alone(self, runs, scenario):
+        _claimed(scenario)
+        super().test_upstream_diff_alone(runs, scenario)
 
 
 @pytest.mark.slow
@@ -130,21 +141,6 @@ def test_training_flow_unchanged():
     outcome = run_scenario(scenario, patched=True)
     assert outcome.passed, outcome.traceback or outcome.stderr_tail
     assert outcome.metrics["step_change"] > 0 and outcome.metrics["max_abs_diff"] <= 1e-5, outcome.metrics
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("scenario", [s for s in CASES if s.expected_error], ids=lambda s: s.key)
-def test_upstream_diff_alone(scenario, tmp_path_factory):
-    affected, why, _, _ = _gate(scenario)
-    if not affected:
-        pytest.skip(f"{scenario.patch_id} does not claim this stack ({why})")
-    copy = upstream_diff_copy(scenario.patch_id, tmp_path_factory)
-    outcome = run_scenario(scenario, patched=False, pythonpath=[copy])
-    assert_equals_reference(outcome, scenario.tolerance)
-    if scenario.name == "eval-only-new-head":
-        # the diff broadcasts at prepare_model but does not refuse an earlier use (transformers would
-        # have to mark its placeholders; the runtime patch does): pinned, so the difference stays known
-        assert outcome.metrics["rank1_early"] == "differs", outcome.metrics
 
 
 @pytest.mark.slow

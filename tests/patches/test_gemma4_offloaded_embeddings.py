@@ -11,14 +11,10 @@ import pytest
 
 import metapatch
 from metapatch.patches.gemma4_offloaded_embeddings import PATCH
-from metapatch.selftest import run_scenario, scenarios_for
 
-from _three_way import assert_equals_reference, upstream_diff_copy  # tests/patches/_three_way.py
+from _three_way import ThreeWayCase  # tests/patches/_three_way.py
 
-PATCH_ID = PATCH.id
-SCENARIOS = scenarios_for(PATCH_ID)
 AFFECTED, WHY, _, _ = metapatch.registry.gate(PATCH)
-META_DEVICE_ERROR = "Tensor on device meta is not on the expected device"
 
 
 def _has_gemma4() -> bool:
@@ -30,50 +26,24 @@ def _has_gemma4() -> bool:
 HAS_GEMMA4 = _has_gemma4()
 
 
-def test_scenarios_exist():
-    assert {s.name for s in SCENARIOS} == {"conditional-generation-embedding-on-disk",
-                                          "causal-lm-inputs-embeds-embedding-on-disk"}
-
-
 def test_gate_follows_the_model():
     # affected exactly where Gemma 4 exists (every release that has it reads the weight directly)
     assert AFFECTED == HAS_GEMMA4, WHY
 
 
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
-def test_unpatched(scenario):
-    outcome = run_scenario(scenario, patched=False)
-    if not HAS_GEMMA4:
-        assert outcome.not_applicable and not outcome.passed, outcome.traceback or outcome.stderr_tail
-        return
-    assert outcome.states[PATCH_ID] == "disabled"
-    assert not outcome.passed, f"{scenario.key} passed unpatched on an affected install ({WHY})"
-    assert outcome.error_type == scenario.expected_error, outcome.traceback
-    assert META_DEVICE_ERROR in outcome.error, outcome.error
+class TestThreeWay(ThreeWayCase):
+    patch_ids = (PATCH.id,)
+    names = {PATCH.id: {"conditional-generation-embedding-on-disk", "causal-lm-inputs-embeds-embedding-on-disk"}}
 
+    def not_applicable_reason(self, scenario):
+        return "" if HAS_GEMMA4 else None  # n/a exactly where Gemma 4 is missing
 
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
-def test_patched(scenario):
-    outcome = run_scenario(scenario, patched=True)
-    if not HAS_GEMMA4:
-        assert outcome.not_applicable and not outcome.passed, outcome.traceback or outcome.stderr_tail
-        assert outcome.states[PATCH_ID] == "not-affected"
-        return
-    assert outcome.passed, outcome.traceback or outcome.stderr_tail
-    assert outcome.metrics["max_abs_diff"] == 0
-    assert outcome.states[PATCH_ID] in ("applied", "pending-import")  # the child may not import gemma4 again
+    def own_not_applicable(self, scenario, outcome):
+        if outcome.patched:
+            assert outcome.states[PATCH.id] == "not-affected", outcome.states
 
-
-@pytest.fixture(scope="module")
-def transformers_with_diff(tmp_path_factory):
-    if not AFFECTED:
-        pytest.skip(f"not affected here: {WHY}")
-    return upstream_diff_copy(PATCH_ID, tmp_path_factory)
-
-
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
-def test_upstream_diff_alone(scenario, transformers_with_diff):
-    assert_equals_reference(run_scenario(scenario, patched=False, pythonpath=[transformers_with_diff]))
+    def patched_states(self, scenario):
+        return ("applied", "pending-import")  # the child may not import gemma4 again
 
 
 # -- in-process: the shared mechanism on a plain module offloaded with accelerate's own hooks ------

@@ -10,46 +10,22 @@ import pytest
 
 import metapatch
 from metapatch.patches.offloaded_outside_reads import PATCH
-from metapatch.selftest import run_scenario, scenarios_for
+from metapatch.selftest import run_scenario
 from metapatch.selftest._harness import find
 
-from _three_way import assert_equals_reference, assert_upstream_error, upstream_diff_copy
+from _three_way import ThreeWayCase, assert_equals_reference  # tests/patches/_three_way.py
 
 PATCH_ID = PATCH.id
-SCENARIOS = scenarios_for(PATCH_ID)
 AFFECTED, WHY, _, _ = metapatch.registry.gate(PATCH)
-
-
-def test_scenarios_exist():
-    assert {s.name for s in SCENARIOS} == {"remote-code-reads-on-disk"}
 
 
 def test_affected_on_every_supported_accelerate():
     assert AFFECTED, WHY
 
 
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
-def test_unpatched(scenario):
-    outcome = run_scenario(scenario, patched=False)
-    assert outcome.states[PATCH_ID] == "disabled"
-    assert_upstream_error(outcome, scenario, WHY, "Cannot copy out of meta tensor")
-
-
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
-def test_patched(scenario):
-    outcome = run_scenario(scenario, patched=True)
-    assert_equals_reference(outcome)
-    assert outcome.states[PATCH_ID] == "applied"
-
-
-@pytest.fixture(scope="module")
-def accelerate_with_diff(tmp_path_factory):
-    return upstream_diff_copy(PATCH_ID, tmp_path_factory)
-
-
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
-def test_upstream_diff_alone(scenario, accelerate_with_diff):
-    assert_equals_reference(run_scenario(scenario, patched=False, pythonpath=[accelerate_with_diff]))
+class TestThreeWay(ThreeWayCase):
+    patch_ids = (PATCH_ID,)
+    names = {PATCH_ID: {"remote-code-reads-on-disk"}}
 
 
 EMBEDDING_PATCHES = "gemma4-offloaded-embeddings,diffusion-gemma-offloaded-embeddings"

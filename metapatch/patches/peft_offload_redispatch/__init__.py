@@ -45,7 +45,7 @@ Here:
   offloaded tensor to look up a file name it never uses (a KeyError with this weights map).
 
 Where the upstream series (``upstream_diffs/peft-offload-redispatch/peft-N-*.diff``) does less, each
-measured by ``metapatch diffs check --run`` and pinned by ``tests/patches/test_peft_tuners.py``:
+measured by ``metapatch diffs check --run`` and pinned by ``tests/patches/test_peft_offload_redispatch_tuners.py``:
 
 * training through an offloaded 4-bit (bitsandbytes) layer: metapatch hangs
   :class:`~metapatch._adapter_offload.KeepQuantStateHook` in front of each such layer's offload hook,

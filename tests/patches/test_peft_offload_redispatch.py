@@ -1,4 +1,5 @@
-"""peft-offload-redispatch and accelerate-dispatch-skip-keys: unpatched / patched / upstream diff.
+"""peft-offload-redispatch: unpatched / patched / upstream diff (accelerate-dispatch-skip-keys, on the
+same Gemma 4 builders: test_accelerate_dispatch_skip_keys.py).
 
 Every reproducer runs in its own interpreter (start-up dominates: ~30 s each on the shared CPUs), so
 all runs of this file are started together once per session, a few at a time, and the tests read
@@ -18,13 +19,11 @@ import pytest
 
 from metapatch import registry
 from metapatch.diffs import apply_to_copy, diffs_for
-from metapatch.patches.accelerate_dispatch_skip_keys import PATCH as SKIP_KEYS
 from metapatch.patches.peft_offload_redispatch import PATCH as REDISPATCH
 from metapatch.selftest import run_scenario, scenarios_for
 
-SCENARIOS = {s.key: s for pid in (REDISPATCH.id, SKIP_KEYS.id) for s in scenarios_for(pid)}
+SCENARIOS = {s.key: s for s in scenarios_for(REDISPATCH.id)}
 LLAMA, GEMMA4 = f"{REDISPATCH.id}/llama", f"{REDISPATCH.id}/gemma4"
-DISPATCH = f"{SKIP_KEYS.id}/gemma4-dispatch-model"
 ROOT = Path("/")
 
 
@@ -54,7 +53,7 @@ def outcomes(tmp_path_factory):
     for folder in cwd.values():
         folder.mkdir()
     copies, not_applying = {}, {}
-    for patch in (REDISPATCH, SKIP_KEYS):  # all of a patch's diffs (peft: a series of four), in order
+    for patch in (REDISPATCH,):  # all of its diffs (a series of four), in order
         try:
             copies[patch.id] = apply_to_copy(diffs_for(patch.id), base / f"upstream-{patch.id}")
         except RuntimeError as exc:  # written against upstream main: an older release may not take it
@@ -64,16 +63,11 @@ def outcomes(tmp_path_factory):
         ("root", LLAMA): lambda: [_run_from_root(LLAMA, False), _run_from_root(LLAMA, True)],
         ("unpatched", GEMMA4): lambda: run_scenario(SCENARIOS[GEMMA4], patched=False, cwd=str(cwd["unpatched"])),
         ("patched", GEMMA4): lambda: run_scenario(SCENARIOS[GEMMA4], patched=True, cwd=str(cwd["patched"])),
-        ("unpatched", DISPATCH): lambda: run_scenario(SCENARIOS[DISPATCH], patched=False),
-        ("patched", DISPATCH): lambda: run_scenario(SCENARIOS[DISPATCH], patched=True),
     }
     if REDISPATCH.id in copies:
         for key in (LLAMA, GEMMA4):
             jobs[("diff", key)] = functools.partial(run_scenario, SCENARIOS[key], patched=False, cwd=str(cwd["diff"]),
                                                     pythonpath=[str(copies[REDISPATCH.id])])
-    if SKIP_KEYS.id in copies:
-        jobs[("diff", DISPATCH)] = lambda: run_scenario(SCENARIOS[DISPATCH], patched=False,
-                                                        pythonpath=[str(copies[SKIP_KEYS.id])])
     with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
         futures = {key: pool.submit(job) for key, job in jobs.items()}
         results = {key: future.result() for key, future in futures.items()}
@@ -153,31 +147,6 @@ def test_upstream_peft_diff_alone_fixes_the_reproducer(outcomes, key):
     assert list(outcomes["cwd"]["diff"].iterdir()) == []
 
 
-# -- accelerate-dispatch-skip-keys ---------------------------------------------------------------
-
-
-def test_unpatched_dispatch_model_loses_gemma4_shared_kv(outcomes):
-    outcome = outcomes[("unpatched", DISPATCH)]
-    if affected(SKIP_KEYS):
-        assert not outcome.passed
-        assert outcome.error_type == SCENARIOS[DISPATCH].expected_error, _explain(outcome)
-    else:
-        assert outcome.passed, _explain(outcome)
-
-
-def test_patched_dispatch_model_keeps_gemma4_shared_kv(outcomes):
-    outcome = outcomes[("patched", DISPATCH)]
-    assert outcome.passed, _explain(outcome)
-    assert outcome.metrics["max_abs_diff"] == 0.0
-    assert outcome.states[SKIP_KEYS.id] == ("applied" if affected(SKIP_KEYS) else "not-affected")
-
-
-def test_upstream_accelerate_diff_alone_fixes_dispatch_model(outcomes):
-    outcome = _diff_outcome(outcomes, SKIP_KEYS, DISPATCH)
-    assert outcome.passed, _explain(outcome)
-    assert outcome.metrics["max_abs_diff"] == 0.0
-
-
 # -- GPU ----------------------------------------------------------------------------------------
 
 
@@ -191,23 +160,6 @@ def test_gpu_4bit_base_with_cpu_parts_then_adapter(tmp_path):
 
 
 # -- in-process checks (cheap) -------------------------------------------------------------------
-
-
-def test_skip_keys_are_found_through_a_peft_wrapper():
-    from metapatch.patches.accelerate_dispatch_skip_keys import model_skip_keys
-
-    class Base:
-        _skip_keys_device_placement = {"shared_kv_states", "past_key_values"}
-
-    class Wrapper:
-        def __init__(self, base):
-            self.base = base
-
-        def get_base_model(self):
-            return self.base
-
-    assert model_skip_keys(Wrapper(Base())) == ["past_key_values", "shared_kv_states"]
-    assert model_skip_keys(Wrapper(object())) is None
 
 
 def test_user_device_map_in_base_names_is_rekeyed_and_unknown_names_are_refused():

@@ -8,46 +8,11 @@ import pytest
 import metapatch
 from metapatch import MetapatchError
 from metapatch.patches import offloaded_resize_token_embeddings as patch_module
-from metapatch.selftest import run_scenario, scenarios_for
 
-from _three_way import assert_equals_reference, assert_upstream_error, upstream_diff_copy  # tests/patches/_three_way.py
+from _three_way import ThreeWayCase  # tests/patches/_three_way.py
 
 PATCH = patch_module.PATCH
-PATCH_ID = PATCH.id
-SCENARIOS = scenarios_for(PATCH_ID)
 AFFECTED, WHY, VERSIONS, _ = metapatch.registry.gate(PATCH)
-UPSTREAM_ERRORS = {
-    "RuntimeError": "Tensor.item() cannot be called on meta tensors",
-    "ValueError": "Trying to set a tensor of shape torch.Size([128, 64])",
-}
-
-
-def test_scenarios_exist():
-    assert {s.name for s in SCENARIOS} == {"resize-offloaded-untied", "resize-offloaded-tied",
-                                           "resize-offloaded-no-mean-resizing"}
-
-
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
-def test_unpatched(scenario):
-    outcome = run_scenario(scenario, patched=False)
-    assert outcome.states[PATCH_ID] == "disabled"
-    if AFFECTED:
-        assert_upstream_error(outcome, scenario, WHY, UPSTREAM_ERRORS[scenario.expected_error])
-    else:
-        assert outcome.passed, outcome.traceback or outcome.stderr_tail
-
-
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
-def test_patched(scenario):
-    outcome = run_scenario(scenario, patched=True)
-    assert_equals_reference(outcome)
-    assert outcome.metrics["tied"] is (scenario.name == "resize-offloaded-tied")
-    assert outcome.states[PATCH_ID] == ("applied" if AFFECTED else "not-affected")
-
-
-@pytest.fixture(scope="module")
-def transformers_with_diff(tmp_path_factory):
-    return upstream_diff_copy(PATCH_ID, tmp_path_factory, "written against transformers main, 5.24.0")
 
 
 def _tied_disk_pair_loads_unpatched() -> tuple:
@@ -60,12 +25,18 @@ def _tied_disk_pair_loads_unpatched() -> tuple:
     return True, ""
 
 
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
-def test_upstream_diff_alone(scenario, transformers_with_diff):
-    loads, why = _tied_disk_pair_loads_unpatched()
-    if scenario.name == "resize-offloaded-tied" and not loads:
-        pytest.skip(why)
-    assert_equals_reference(run_scenario(scenario, patched=False, pythonpath=[transformers_with_diff]))
+class TestThreeWay(ThreeWayCase):
+    patch_ids = (PATCH.id,)
+    names = {PATCH.id: {"resize-offloaded-untied", "resize-offloaded-tied", "resize-offloaded-no-mean-resizing"}}
+
+    def check_patched(self, scenario, outcome):
+        assert outcome.metrics["tied"] is (scenario.name == "resize-offloaded-tied")
+
+    def diff_skip(self, scenario):
+        loads, why = _tied_disk_pair_loads_unpatched()
+        if scenario.name == "resize-offloaded-tied" and not loads:
+            return why
+        return super().diff_skip(scenario)
 
 
 # -- in-process -------------------------------------------------------------------------------------

@@ -1,0 +1,158 @@
+"""empty-init-nonpersistent-buffers: three-way proof on the one-process scenarios (subprocesses:
+unpatched fails, patched equals the model built in memory, the upstream diff alone fixes what it
+can), then in-process checks of what the patch leaves alone and how it refuses."""
+
+from __future__ import annotations
+
+import pytest
+
+import metapatch
+from metapatch.patches.empty_init_nonpersistent_buffers import PATCH as EMPTY_INIT
+
+from _three_way import ThreeWayCase, explain  # tests/patches/_three_way.py
+
+# The accelerate diff cannot see torch's to_empty(): with the diff alone that flow keeps to_empty memory.
+DIFF_DOES_LESS = {"to-empty-dispatch"}
+
+
+class TestThreeWay(ThreeWayCase):
+    patch_ids = (EMPTY_INIT.id,)
+    names = {EMPTY_INIT.id: {"include-buffers-dispatch", "to-empty-dispatch"}}
+
+    @pytest.mark.slow
+    def test_upstream_diff_alone(self, runs, scenario):
+        if scenario.name not in DIFF_DOES_LESS:
+            super().test_upstream_diff_alone(runs, scenario)
+            return
+        outcome = runs.get(scenario, "diff")
+        self._applies(scenario, outcome)
+        assert not outcome.passed and outcome.error_type == "AssertionError", explain(outcome)
+
+
+# -- in process (patched): what is left alone, and the refusals ----------------------------------
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+accelerate = pytest.importorskip("accelerate")
+
+from metapatch import _buffer_rebuild  # noqa: E402
+from metapatch.selftest._models import nan_sentinel  # noqa: E402
+
+
+class _Table(torch.nn.Module):
+    def __init__(self, dim, base=100.0):
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / (base ** (torch.arange(0, dim, 2).float() / dim)), persistent=False)
+
+
+class _Plain(torch.nn.Module):
+    def __init__(self, dim, *, base):
+        super().__init__()
+        self.proj = torch.nn.Linear(dim, dim // 2)
+        self.table = _Table(dim, base=base)
+
+    def forward(self, x):
+        return self.proj(x) * self.table.inv_freq
+
+
+def _save_plain(tmp_path):
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    model = _Plain(16, base=50.0).eval()
+    save_file(model.state_dict(), tmp_path / "model.safetensors")
+    return model
+
+
+def test_plain_module_built_empty_is_refilled_from_its_constructor(tmp_path):
+    from accelerate import init_empty_weights, load_checkpoint_and_dispatch
+
+    reference = _save_plain(tmp_path)
+    with init_empty_weights(include_buffers=True):
+        empty = _Plain(16, base=50.0)
+    assert empty.table.inv_freq.is_meta
+    assert _buffer_rebuild.CONSTRUCTED[empty] == ((16,), {"base": 50.0})
+    assert _buffer_rebuild.CONSTRUCTED[empty.table] == ((16, 50.0), {})
+    empty = load_checkpoint_and_dispatch(empty, str(tmp_path / "model.safetensors"),
+                                         device_map={"proj": "cpu", "table": "cpu"})
+    x = torch.randn(2, 16)
+    assert torch.equal(empty.table.inv_freq, reference.table.inv_freq)
+    with torch.no_grad():
+        assert torch.equal(empty(x), reference(x))
+
+
+def test_uncaptured_constructor_is_refused_by_name(tmp_path):
+    """A meta buffer whose module was built outside init_empty_weights (nothing recorded) and a model
+    without a config: MetapatchError naming it, not the raw meta error at dispatch."""
+    from accelerate import init_empty_weights, load_checkpoint_in_model
+
+    _save_plain(tmp_path)
+    with init_empty_weights(include_buffers=True):
+        empty = _Plain(16, base=50.0)
+    with torch.device("meta"):
+        empty.table = _Table(16, base=50.0)
+    assert empty.table not in _buffer_rebuild.CONSTRUCTED
+    with pytest.raises(metapatch.MetapatchError, match=r"table\.inv_freq \(_Table\).*not recorded"):
+        load_checkpoint_in_model(empty, str(tmp_path / "model.safetensors"), device_map={"proj": "cpu", "table": "cpu"})
+
+
+def test_to_empty_after_include_buffers_false_is_refilled(tmp_path):
+    """transformers#34234: init_empty_weights() keeps buffers real, to_empty() replaces them with
+    uninitialised memory, and no checkpoint holds them."""
+    from accelerate import init_empty_weights, load_checkpoint_and_dispatch
+
+    reference = _save_plain(tmp_path)
+    with init_empty_weights():
+        empty = _Plain(16, base=50.0)
+    assert not empty.table.inv_freq.is_meta
+    with nan_sentinel():
+        empty.to_empty(device="cpu")
+    assert empty.table.inv_freq.isnan().all()
+    empty = load_checkpoint_and_dispatch(empty, str(tmp_path / "model.safetensors"), device_map={"": "cpu"})
+    assert torch.equal(empty.table.inv_freq, reference.table.inv_freq)
+
+
+def test_nothing_recorded_for_a_model_built_normally(tmp_path, monkeypatch):
+    """No init_empty_weights: to_empty and load_checkpoint_in_model call upstream untouched, and
+    nn.Module.__init__ is only wrapped inside the context."""
+    from accelerate import init_empty_weights, load_checkpoint_in_model
+
+    _save_plain(tmp_path)
+    init = torch.nn.Module.__init__
+    model = _Plain(16, base=50.0)
+    with init_empty_weights(include_buffers=True):
+        assert torch.nn.Module.__init__ is not init
+    assert torch.nn.Module.__init__ is init  # restored
+    assert model not in _buffer_rebuild.CONSTRUCTED and model.table not in _buffer_rebuild.CONSTRUCTED
+
+    def no_walk(*args, **kwargs):
+        raise AssertionError("the patch walked a model not built under init_empty_weights")
+
+    monkeypatch.setattr(_buffer_rebuild, "refill", no_walk)
+    monkeypatch.setattr(_buffer_rebuild, "record", no_walk)
+    model.to_empty(device="cpu")
+    load_checkpoint_in_model(model, str(tmp_path / "model.safetensors"), device_map={"proj": "cpu", "table": "cpu"})
+
+
+def test_decorated_constructor_is_captured_without_self():
+    """transformers 5.17 wraps LlamaRotaryEmbedding.__init__ in a deprecation decorator taking
+    (*args, **kwargs): the recorded call is the user's, without the module itself."""
+    import functools
+
+    from accelerate import init_empty_weights
+
+    def passthrough(init):
+        @functools.wraps(init)
+        def wrapped(*args, **kwargs):
+            return init(*args, **kwargs)
+        return wrapped
+
+    class Decorated(_Table):
+        @passthrough
+        def __init__(self, dim, base=100.0):
+            super().__init__(dim, base=base)
+
+    with init_empty_weights(include_buffers=True):
+        module = Decorated(16, base=7.0)
+    assert _buffer_rebuild.CONSTRUCTED[module] == ((16,), {"base": 7.0})
+    assert torch.equal(_buffer_rebuild._buffers_by_constructor(module, None)["inv_freq"], _Table(16, base=7.0).inv_freq)
