@@ -50,11 +50,12 @@ def hook_tensors(module: Any, hook: Any) -> List[Tuple[str, Any]]:
 
 
 class Overlay(Mapping):
-    """A hook's weights map once an operation wrote into its module: the kept tensors (CPU memory) in
-    front of the previous map, which still serves everything else and is only ever read."""
+    """A hook's weights map once an operation wrote into its module (or a resize replaced its tensors,
+    offloaded-resize-token-embeddings): the kept tensors (CPU memory) in front of the previous map,
+    which still serves everything else and is only ever read."""
 
-    def __init__(self, previous: Any) -> None:
-        self.kept: Dict[str, Any] = {}
+    def __init__(self, previous: Any, kept: Optional[Dict[str, Any]] = None) -> None:
+        self.kept: Dict[str, Any] = dict(kept or {})
         self.previous = previous
 
     def __getitem__(self, key: str) -> Any:

@@ -28,39 +28,12 @@ entries (``"model.embed_tokens"``, ``"lm_head"``), as ``device_map="auto"`` does
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Dict, List, Tuple
 
+from metapatch._offload_store import Overlay
 from metapatch._records import MetapatchError, Patch, Target, Upstream
 
 PATCH_ID = "offloaded-resize-token-embeddings"
-
-
-class ResizedWeights(Mapping):
-    """An offload hook's weights map after a resize: the resized tensors (in CPU memory) in front of the
-    previous map, which still serves anything else and is only ever read."""
-
-    def __init__(self, resized: Dict[str, Any], previous: Any) -> None:
-        self.resized = resized
-        self.previous = previous
-
-    def __getitem__(self, key: str) -> Any:
-        if key in self.resized:
-            return self.resized[key]
-        if self.previous is None:
-            raise KeyError(key)
-        return self.previous[key]
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.resized or (self.previous is not None and key in self.previous)
-
-    def __iter__(self) -> Iterator[str]:
-        yield from self.resized
-        if self.previous is not None:
-            yield from (key for key in self.previous if key not in self.resized)
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
 
 
 def _embedding_modules(model: Any) -> List[Any]:
@@ -155,7 +128,9 @@ def _offload_again(module: Any, hook: Any, original_devices: Dict[str, Any], cpu
         if id(tensor) not in cpu_copies:
             cpu_copies[id(tensor)] = tensor.detach().to("cpu")
         resized[name] = cpu_copies[id(tensor)]
-    hook.weights_map = ResizedWeights(resized, hook.weights_map)
+    # in front of the previous map, one layer per resize (the offload store's own overlay: what
+    # _hook_state reads, so diagnose and the move guard see the resized tensors in CPU memory)
+    hook.weights_map = Overlay(hook.weights_map, resized)
     hook.original_devices = {name: original_devices.get(name, device)
                              for name, device in (getattr(hook, "original_devices", {}) or {}).items()}
     hook.offload = True

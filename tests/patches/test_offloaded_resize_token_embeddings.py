@@ -43,13 +43,18 @@ class TestThreeWay(ThreeWayCase):
 
 
 def test_resized_weights_are_served_in_front_of_the_old_map():
+    from metapatch._offload_store import Overlay  # the resize keeps its tensors in the store's overlay
+
     old = {"weight": "old weight", "bias": "old bias"}
-    weights = patch_module.ResizedWeights({"weight": "new weight"}, old)
+    resized = {"weight": "new weight"}
+    weights = Overlay(old, resized)
     assert weights["weight"] == "new weight" and weights["bias"] == "old bias"
     assert sorted(weights) == ["bias", "weight"] and len(weights) == 2 and "bias" in weights
     assert old == {"weight": "old weight", "bias": "old bias"}  # the old map is only read
+    resized["weight"] = "changed later"
+    assert weights["weight"] == "new weight"  # the overlay holds its own dict
     with pytest.raises(KeyError):
-        patch_module.ResizedWeights({}, None)["weight"]
+        Overlay(None, {})["weight"]
 
 
 needs_patch = pytest.mark.skipif(not AFFECTED, reason=f"patch not active here: {WHY}")
