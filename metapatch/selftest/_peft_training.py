@@ -129,7 +129,7 @@ def fp32_step(workdir: Path) -> Dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     from ._models import save_tiny_llama
-    from .peft_tuners import offload_map
+    from ._peft_tuners import offload_map
 
     checkpoint = save_tiny_llama(workdir / "base")
     return _run(workdir, lambda: AutoModelForCausalLM.from_pretrained(checkpoint),

@@ -310,7 +310,7 @@ def offloaded_layer_matrix(workdir: Path) -> Dict[str, Any]:
 def _tiny_gemma4(workdir: Path) -> Path:
     import torch
 
-    from .gemma4_embeddings import _require, tiny_text_config
+    from .gemma4_offloaded_embeddings import _require, tiny_text_config
 
     path = workdir / "gemma4"
     if not (path / "config.json").exists():
