@@ -9,10 +9,11 @@ unsharded parameters on its modules while it is unsharded, and a forward that no
 leaves them there, so ``model.parameters()`` after an evaluation forward yields plain full tensors
 for those modules instead of their sharded DTensors. An optimizer built then holds tensors that never
 get a gradient (the backward reduce-scatters into the DTensors and registers those again): norm and
-head are silently never trained. On a tiny Llama, two ranks, one SGD step at lr 0.5: logits 1.58 off
-the single-process step (untied), 3.61 (tied); no error. ``Trainer`` reshards before it builds its
-optimizer (5.24); a loop of one's own does not (pytorch/pytorch#149205 is the same effect in plain
-FSDP2, answered with "call reshard()").
+head are silently never trained. Two ranks, one SGD step at lr 0.5: logits 1.24 off the
+single-process step (tiny Llama), 5.28 (tied Qwen2); no error. ``Trainer`` reshards before it builds
+its optimizer (5.24); a loop of one's own does not. pytorch/pytorch#149205 reports the same effect
+in plain FSDP2, where the root group staying unsharded after forward is by design
+(pytorch/pytorch#131965).
 
 After a forward of a model transformers sharded, with autograd off, the hook installed here reshards
 every FSDP module of the model (``FSDPModule.reshard``: not recursive, a no-op on groups already
