@@ -1,7 +1,8 @@
 """Two-rank reproducers for transformers' native FSDP2 loading (``from_pretrained(...,
 distributed_config=DistributedConfig(fsdp_size=2))``, gloo on CPU): an evaluation forward, then an
-optimizer built from ``model.parameters()``, one SGD step. Every rank must give the single-process
-in-memory model's logits after loading and after the step.
+optimizer built from ``model.parameters()``, two SGD steps (a forward without autograd between the
+second one's forward and backward). Every rank must give the single-process in-memory model's logits
+after loading and after the steps.
 
 ``metrics``: per rank the logits' difference after load and after the step, and how many of the
 parameters the optimizer got were not sharded (``rankN_unsharded``: plain tensors that FSDP2 left
@@ -46,7 +47,8 @@ def _save(path: Path, architecture: str) -> None:
 
 
 def _eval_then_step(model: Any) -> Dict[str, Any]:
-    """The user's loop: evaluate, build the optimizer, train one step, evaluate again."""
+    """The user's loop: evaluate, build the optimizer, train two steps (the second with a forward
+without autograd before its backward), evaluate again."""
     import torch
 
     ids = input_ids()
@@ -61,6 +63,14 @@ def _eval_then_step(model: Any) -> Dict[str, Any]:
     optimizer = torch.optim.SGD(parameters, lr=_LR)
     model.train()
     model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    # A forward without autograd between a forward and its backward (a reference pass in RL loops):
+    # resharding there must leave the pending backward right (FSDP2 all-gathers again for it).
+    loss = model(input_ids=ids, labels=ids).loss
+    with torch.no_grad():
+        model(input_ids=ids)
+    loss.backward()
     optimizer.step()
     optimizer.zero_grad()
     model.eval()
