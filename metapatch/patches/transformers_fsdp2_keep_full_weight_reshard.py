@@ -74,7 +74,8 @@ PATCH = Patch(
     id=PATCH_ID,
     title="transformers native FSDP2 (from_pretrained(distributed_config=...)) reshards after a forward "
           "outside autograd (an optimizer built after an evaluation forward trains norm and lm_head)",
-    # Measured (two ranks, gloo, torch 2.13.0): 5.17.0 and 5.24.0 affected. 5.15 is the first release
+    # Measured (two ranks, gloo, torch 2.13.0): 5.17.0 and 5.24.0 affected, and by `metapatch survey
+    # --run` 5.18.0, 5.20.1, 5.22.2 (the newest of each code variant). 5.15 is the first release
     # that shards at load time (5.14 defines the function but never calls it).
     affects={"transformers": ">=5.15"},
     targets=(
