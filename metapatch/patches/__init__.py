@@ -36,5 +36,6 @@ INDEX = {
     'tied-device-map-meta-pointer': ('tied_device_map_meta_pointer', ('accelerate.hooks',)),
     'tied-device-map-transformers': ('tied_device_map_transformers', ('transformers.integrations.accelerate',)),
     'tied-device-map-transformers-v4': ('tied_device_map_transformers_v4', ('transformers.modeling_utils',)),
+    'transformers-fsdp2-keep-full-weight-reshard': ('transformers_fsdp2_keep_full_weight_reshard', ('transformers.distributed.fsdp',)),
     'transformers-load-adapter-offload': ('transformers_load_adapter_offload', ('transformers.integrations.peft',)),
 }
