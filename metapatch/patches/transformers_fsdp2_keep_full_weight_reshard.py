@@ -93,5 +93,4 @@ PATCH = Patch(
         note="transformers: apply_fully_sharded_data_parallelism registers a root forward hook that "
              "reshards the model's FSDP modules after a forward with autograd off",
     ),
-    selftest="metapatch.selftest.transformers_fsdp2_keep_full_weight_reshard",
 )
