@@ -56,6 +56,8 @@ def offload_hooks(module: Any) -> List[Any]:
 
 def offload_hook(module: Any) -> Optional[Any]:
     """The hook that offloads ``module``'s own tensors and serves them from a ``weights_map``, or None."""
+    if getattr(module, "__dict__", {}).get("_hf_hook") is None:
+        return None  # asked of every module at every adapter load: most carry no hook
     return next((h for h in offload_hooks(module) if h.weights_map is not None), None)
 
 

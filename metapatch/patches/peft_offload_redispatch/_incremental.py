@@ -123,6 +123,9 @@ def _move_to(model: Any, members: List[Tuple[str, Any, bool]], device: Any) -> N
     from ._redispatch import _same_device
 
     for name, tensor, _ in members:
+        if tensor.device.type == "meta" or _same_device(tensor.device, device):
+            # on meta before: _place_tensors has just put it in memory, where a one-device map puts it
+            continue
         current = model.get_parameter(name) if _is_parameter(model, name) else model.get_buffer(name)
         if not _same_device(current.device, device):
             set_module_tensor_to_device(model, name, device)
