@@ -49,8 +49,10 @@ def module_tensors(model: Any, remove_duplicate: bool = True) -> Iterator[Tuple[
     import torch
     from peft.tuners.tuners_utils import BaseTunerLayer
 
+    from metapatch._adapter_offload import named_modules
+
     adapter_modules: set = set()
-    for module_name, module in model.named_modules(remove_duplicate=remove_duplicate):
+    for module_name, module in named_modules(model, remove_duplicate=remove_duplicate):
         if isinstance(module, BaseTunerLayer):
             for attr in tuple(module.adapter_layer_names) + tuple(module.other_param_names):
                 part = getattr(module, attr, None)
@@ -179,28 +181,37 @@ def _served_placement(model: Any, base: Any, sources: Dict[str, Any],
     device_map = new_placement(model, base, {}, known)
     main = _main_device(device_map)
     offloaded_devices = {"disk"} if str(main) in ("cpu", "mps") else {"cpu", "disk"}
+    wanted: Dict[Any, Any] = {}  # placement -> its torch.device, made once (there are a few, and ~10 tensors per module)
     for name, tensor, is_adapter in _named_tensors(model):
         key = entry_of(device_map, name)  # the longest prefix, by dictionary look-ups
         where = None if key is None else device_map[key]
+        device = tensor.device
         if str(where) in offloaded_devices:
-            if tensor.device.type == "meta":
+            if device.type == "meta":
                 if name not in sources:
                     return None
                 continue
-            if not is_adapter or not _same_device(tensor.device, main):
+            where = main
+            if not is_adapter:
                 return None
-        elif not _same_device(tensor.device, where):
+        if where not in wanted:
+            wanted[where] = _device_of(where)
+        if device != wanted[where]:
             return None
     return device_map
 
 
-def _same_device(device: Any, placement: Any) -> bool:
+def _device_of(placement: Any) -> Any:
     import torch
 
     wanted = torch.device("cuda", placement) if isinstance(placement, int) else torch.device(str(placement))
     if wanted.type != "cpu" and wanted.index is None:
         wanted = torch.device(wanted.type, 0)
-    return device == wanted
+    return wanted
+
+
+def _same_device(device: Any, placement: Any) -> bool:
+    return device == _device_of(placement)
 
 
 def _remove_hooks(model: Any) -> None:
