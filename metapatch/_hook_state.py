@@ -43,10 +43,11 @@ def hooks_on(module: Any) -> List[Any]:
 
 def align_hooks(module: Any) -> List[Any]:
     """The ``AlignDevicesHook``\\ s on ``module`` itself (offloading or not)."""
-    hooks_module = _hooks_module()
+    hooks = hooks_on(module)
+    hooks_module = _hooks_module() if hooks else None
     if hooks_module is None:
         return []
-    return [h for h in hooks_on(module) if isinstance(h, hooks_module.AlignDevicesHook)]
+    return [h for h in hooks if isinstance(h, hooks_module.AlignDevicesHook)]
 
 
 def offload_hooks(module: Any) -> List[Any]:

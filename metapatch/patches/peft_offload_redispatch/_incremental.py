@@ -71,7 +71,7 @@ def apply(model: Any, base: Any, current: Dict[str, Any], device_map: Dict[str, 
     tied tensor that moves; the caller then takes the full re-dispatch."""
     from accelerate.hooks import attach_align_device_hook_on_blocks, remove_hook_from_module
 
-    from metapatch._adapter_offload import follow_base_layer_hooks
+    from metapatch._adapter_offload import follow_base_layer_hooks, named_modules
 
     from ..accelerate_dispatch_skip_keys import model_skip_keys
     from ._redispatch import _place_tensors
@@ -83,7 +83,7 @@ def apply(model: Any, base: Any, current: Dict[str, Any], device_map: Dict[str, 
     moving = _moving_entries(current, device_map, tensors)
     if moving is None:
         return False
-    modules = dict(model.named_modules())
+    modules = dict(named_modules(model))
     plans = []
     for key, members in moving.items():
         module, sub = modules.get(key), _sub_map(key, device_map)

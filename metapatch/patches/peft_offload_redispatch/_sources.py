@@ -50,10 +50,13 @@ def _source(weights_map: Any, key: str) -> Optional[Tuple[Any, Optional[str]]]:
 def capture_sources(root: Any) -> Dict[int, Tuple[Any, Dict[str, Any]]]:
     """Where every tensor offloaded by an accelerate hook under ``root`` is read from, keyed by the
     module object (names change when PEFT wraps a layer; the module does not)."""
+    from metapatch._adapter_offload import named_modules
     from metapatch._hook_state import offload_hooks
 
     found: Dict[int, Tuple[Any, Dict[str, Any]]] = {}
-    for module in root.modules():
+    for _, module in named_modules(root):
+        if "_hf_hook" not in module.__dict__:
+            continue
         for hook in offload_hooks(module):
             if hook.weights_map is None:
                 continue
@@ -68,8 +71,10 @@ def capture_sources(root: Any) -> Dict[int, Tuple[Any, Dict[str, Any]]]:
 
 
 def _sources_by_name(model: Any, captured: Dict[int, Tuple[Any, Dict[str, Any]]]) -> Dict[str, Any]:
+    from metapatch._adapter_offload import named_modules
+
     named = {}
-    for module_name, module in model.named_modules():
+    for module_name, module in named_modules(model):
         entry = captured.get(id(module))
         if entry is not None:
             for tensor_name, source in entry[1].items():
