@@ -34,11 +34,13 @@ def _base_prefix(model: Any, base: Any) -> str:
 
 def _user_map(model: Any, base: Any, prefix: str, device_map: Dict[str, Any]) -> Dict[str, Any]:
     """A user's map in the wrapper's names: the base's own names (what the seed passed) are re-keyed."""
-    wrapper_names = set(dict(model.named_modules()))
+    from metapatch._adapter_offload import named_modules
+
+    wrapper_names = {name for name, _ in named_modules(model)}
     named = [k for k in device_map if k]
     if named and all(k in wrapper_names for k in named):
         return dict(device_map)
-    base_names = set(dict(base.named_modules()))
+    base_names = {name for name, _ in named_modules(base)}
     if all(k in base_names for k in named):
         return _prefixed(device_map, prefix)
     unknown = [k for k in named if k not in wrapper_names and k not in base_names]

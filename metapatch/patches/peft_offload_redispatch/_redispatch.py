@@ -141,7 +141,8 @@ def redispatch(model: Any, captured: Dict[int, Tuple[Any, Dict[str, Any]]], opti
     device_map = new_placement(model, base, options, known)
     # A placement asked for (device_map="auto", max_memory, ...): where it equals the current one
     # nothing moves; elsewhere only the entries whose tensors move are re-hooked.
-    if current is not None and _incremental.apply(model, base, current, device_map, sources, options):
+    if current is not None and _incremental.apply(model, base, current, device_map, sources, options,
+                                                  known.get("walk")):
         return
     _remove_hooks(model)
     main = _main_device(device_map)
@@ -182,7 +183,15 @@ def _served_placement(model: Any, base: Any, sources: Dict[str, Any],
     main = _main_device(device_map)
     offloaded_devices = {"disk"} if str(main) in ("cpu", "mps") else {"cpu", "disk"}
     wanted: Dict[Any, Any] = {}  # placement -> its torch.device, made once (there are a few, and ~10 tensors per module)
-    for name, tensor, is_adapter in _named_tensors(model):
+    if known is None:
+        tensors = list(_named_tensors(model))
+    else:
+        # Every tensor under its first name: what _named_tensors gives, from the walk the in-place
+        # re-placement needs too (kept for it).
+        if "walk" not in known:
+            known["walk"] = _incremental._walk(model)
+        tensors = known["walk"][0]
+    for name, tensor, is_adapter in tensors:
         key = entry_of(device_map, name)  # the longest prefix, by dictionary look-ups
         where = None if key is None else device_map[key]
         device = tensor.device
