@@ -37,6 +37,26 @@ from metapatch import _hook_state, _offload_store
 from metapatch._records import MetapatchError
 
 
+def named_modules(root: Any, remove_duplicate: bool = True) -> List[Tuple[str, Any]]:
+    """``root.named_modules(remove_duplicate=...)``: the same names in the same order (pre-order), by
+    an explicit stack: torch's nested generators cost more with every level of depth, and an adapter
+    load over an offloaded base walks the whole model several times."""
+    found, seen, stack = [], set(), [("", root)]
+    while stack:
+        name, module = stack.pop()
+        if remove_duplicate:
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+        found.append((name, module))
+        children = module._modules
+        if children:
+            prefix = name + "." if name else ""
+            stack.extend(reversed([(prefix + child_name, child) for child_name, child in children.items()
+                                   if child is not None]))
+    return found
+
+
 def offload_hook(module: Any) -> Optional[Any]:
     """The accelerate ``AlignDevicesHook`` that offloads ``module``'s own weights, if any (also found
     inside a ``SequentialHook``): :func:`metapatch._hook_state.offload_hook`, the one reader."""
@@ -195,8 +215,20 @@ def _adapter_containers(layer: Any) -> List[Any]:
 def _adapter_modules(layer: Any) -> List[Any]:
     """(name, module) of everything under a tuner layer except its base layer."""
     base_layer = base_layer_of(layer)
-    base_ids = {id(m) for m in base_layer.modules()}
-    return [(name, module) for name, module in layer.named_modules() if id(module) not in base_ids]
+    base_ids = {id(m) for _, m in named_modules(base_layer)}
+    return [(name, module) for name, module in named_modules(layer) if id(module) not in base_ids]
+
+
+def _own_tensors(module: Any) -> List[Tuple[str, Any]]:
+    """``named_parameters(recurse=False)`` then ``named_buffers(recurse=False)``, read from the stores."""
+    found = []
+    for store in (module._parameters, module._buffers):
+        seen: set = set()
+        for name, tensor in store.items():
+            if tensor is not None and id(tensor) not in seen:
+                seen.add(id(tensor))
+                found.append((name, tensor))
+    return found
 
 
 # -- after a dispatch: adapter containers unhooked, base layer held during the tuner's forward --
@@ -328,8 +360,9 @@ def follow_base_layer_hooks(model: Any, allow_meta: bool = False) -> int:
     except ImportError:  # pragma: no cover - every supported peft has it
         ModulesToSaveWrapper = ()
     tuner_layers, wrappers = [], []
-    for name, module in model.named_modules():  # one walk: this runs at every adapter load
-        _keep_quant_state_of(module)
+    for name, module in named_modules(model):  # one walk: this runs at every adapter load
+        if "_hf_hook" in module.__dict__:
+            _keep_quant_state_of(module)
         if isinstance(module, BaseTunerLayer):
             tuner_layers.append((name, module))
         if isinstance(module, ModulesToSaveWrapper):
@@ -346,8 +379,7 @@ def follow_base_layer_hooks(model: Any, allow_meta: bool = False) -> int:
         missing = []
         with torch.no_grad():
             for name, module in adapter_modules:
-                for tensor_name, tensor in list(module.named_parameters(recurse=False)) + \
-                        list(module.named_buffers(recurse=False)):
+                for tensor_name, tensor in _own_tensors(module):
                     full = f"{name}.{tensor_name}" if name else tensor_name
                     if tensor.device.type == "meta":
                         if not allow_meta:

@@ -43,10 +43,11 @@ def hooks_on(module: Any) -> List[Any]:
 
 def align_hooks(module: Any) -> List[Any]:
     """The ``AlignDevicesHook``\\ s on ``module`` itself (offloading or not)."""
-    hooks_module = _hooks_module()
+    hooks = hooks_on(module)
+    hooks_module = _hooks_module() if hooks else None
     if hooks_module is None:
         return []
-    return [h for h in hooks_on(module) if isinstance(h, hooks_module.AlignDevicesHook)]
+    return [h for h in hooks if isinstance(h, hooks_module.AlignDevicesHook)]
 
 
 def offload_hooks(module: Any) -> List[Any]:
@@ -56,6 +57,8 @@ def offload_hooks(module: Any) -> List[Any]:
 
 def offload_hook(module: Any) -> Optional[Any]:
     """The hook that offloads ``module``'s own tensors and serves them from a ``weights_map``, or None."""
+    if getattr(module, "__dict__", {}).get("_hf_hook") is None:
+        return None  # asked of every module at every adapter load: most carry no hook
     return next((h for h in offload_hooks(module) if h.weights_map is not None), None)
 
 

@@ -36,6 +36,8 @@ from metapatch._records import MetapatchError
 
 def offload_hook(module: Any) -> Optional[Any]:
     """The accelerate ``AlignDevicesHook`` that offloads ``module``'s own tensors: :func:`metapatch._hook_state.offload_hook`."""
+    if getattr(module, "__dict__", {}).get("_hf_hook") is None:
+        return None  # (asked of every module of the model, several times per adapter load)
     from metapatch._hook_state import offload_hook as read
 
     return read(module)
@@ -225,7 +227,7 @@ class Operation:
         from metapatch import _adapter_offload
 
         adopted = 0
-        for module in model.modules():
+        for _, module in _adapter_offload.named_modules(model):
             hook = offload_hook(module)
             if hook is None or self.holds(module) or _adapter_offload._held(hook):
                 continue
@@ -261,9 +263,13 @@ class Operation:
         self._handles.clear()
         if not self._watchers:
             return
+        copied = any(watcher._copied for watcher in self._watchers)
         for watcher in self._watchers:
             watcher._watching = None
         self._watchers.clear()
+        if not copied:  # no module was deep-copied meanwhile: the handles removed every watcher
+            self._watched.clear()
+            return
         # A module copied meanwhile (PEFT's modules_to_save deep-copies the module, hooks included)
         # carries a watcher too: taken off as well, nothing of the operation stays behind.
         for model in self._watched:
@@ -282,8 +288,10 @@ class _LoadWatcher:
     def __init__(self, operation: Operation, owner: Any) -> None:
         self._watching: Optional[Operation] = operation
         self._watched_module = owner
+        self._copied = False
 
     def __deepcopy__(self, memo: Any) -> "_LoadWatcher":
+        self._copied = True  # a module holding it was copied: the copy's hooks are taken off too
         return self
 
     def __call__(self, module: Any, state_dict: Any, prefix: str, *args: Any) -> None:

@@ -33,10 +33,10 @@ def _declared_mappings(model: Any) -> Iterable[Tuple[str, Mapping[str, str]]]:
     inside such a model is covered by its parent's mapping and skipped."""
     covered: List[str] = []
     for prefix, module in model.named_modules():
-        if any(prefix == c or prefix.startswith(c + ".") for c in covered if c) or ("" in covered):
+        if covered and (any(prefix == c or prefix.startswith(c + ".") for c in covered if c) or ("" in covered)):
             continue
-        mapping = getattr(module, "all_tied_weights_keys", None)
-        if mapping is None and callable(getattr(module, "get_expanded_tied_weights_keys", None)):
+        mapping = _attribute(module, "all_tied_weights_keys")
+        if mapping is None and callable(_attribute(module, "get_expanded_tied_weights_keys")):
             try:
                 mapping = module.get_expanded_tied_weights_keys(all_submodels=True)
             except Exception:  # an exotic model whose expansion fails still gets identity ties
@@ -46,6 +46,21 @@ def _declared_mappings(model: Any) -> Iterable[Tuple[str, Mapping[str, str]]]:
             yield (prefix + "." if prefix else ""), mapping
             if not prefix:
                 return  # the root's mapping covers every submodel
+
+
+def _attribute(module: Any, name: str) -> Any:
+    """``getattr(module, name, None)``. For a module whose class leaves attribute lookup to torch (no
+    ``__getattr__``/``__getattribute__`` of its own) and that has no such attribute anywhere torch looks,
+    None without a call of torch's ``__getattr__``, whose AttributeError (a formatted message each time)
+    was most of the cost of reading ties from every module of a large model."""
+    import torch
+
+    cls = type(module)
+    if cls.__getattr__ is torch.nn.Module.__getattr__ and cls.__getattribute__ is object.__getattribute__ \
+            and not hasattr(cls, name) and name not in module.__dict__ and name not in module._parameters \
+            and name not in module._buffers and name not in module._modules:
+        return None
+    return getattr(module, name, None)
 
 
 class _UnionFind:

@@ -21,8 +21,9 @@ def _offloaded(main: Any) -> set:
 
 def _walk(model: Any) -> Tuple[List[Tuple[str, Any, bool]], set]:
     """(name, tensor, whether it is a tuner layer's own tensor) for every tensor under its first
-    name, and the ids of tensors reachable under more than one name (tied parameters, shared
-    modules): those are left to the full re-dispatch, which re-ties them."""
+    name (what ``_redispatch._named_tensors`` gives: a module's first visit comes at the same point
+    with or without revisits), and the ids of tensors reachable under more than one name (tied
+    parameters, shared modules): those are left to the full re-dispatch, which re-ties them."""
     from ._redispatch import module_tensors
 
     seen: Dict[int, str] = {}
@@ -64,14 +65,14 @@ def _sub_map(key: str, device_map: Dict[str, Any]) -> Optional[Dict[str, Any]]:
 
 
 def apply(model: Any, base: Any, current: Dict[str, Any], device_map: Dict[str, Any], sources: Dict[str, Any],
-          options: Dict[str, Any]) -> bool:
+          options: Dict[str, Any], walked: Optional[Tuple[List[Tuple[str, Any, bool]], set]] = None) -> bool:
     """Re-place ``model`` (dispatched as ``current`` says: the caller checked that its hooks serve
     it so) as ``device_map`` says, moving only what moves. False (nothing changed) where this
     cannot be done in place: another main device, a moving entry that is the model or its base, a
     tied tensor that moves; the caller then takes the full re-dispatch."""
     from accelerate.hooks import attach_align_device_hook_on_blocks, remove_hook_from_module
 
-    from metapatch._adapter_offload import follow_base_layer_hooks
+    from metapatch._adapter_offload import follow_base_layer_hooks, named_modules
 
     from ..accelerate_dispatch_skip_keys import model_skip_keys
     from ._redispatch import _place_tensors
@@ -79,11 +80,14 @@ def apply(model: Any, base: Any, current: Dict[str, Any], device_map: Dict[str, 
     main = _main_device(device_map)
     if str(main) != str(_main_device(current)):
         return False
-    tensors, shared = _walk(model)
+    tensors, shared = walked if walked is not None else _walk(model)  # (the caller's walk of the unchanged model)
     moving = _moving_entries(current, device_map, tensors)
     if moving is None:
         return False
-    modules = dict(model.named_modules())
+    if not moving:  # the placement asked for is the current one: nothing to unhook or move
+        model.hf_device_map = device_map
+        return True
+    modules = dict(named_modules(model))
     plans = []
     for key, members in moving.items():
         module, sub = modules.get(key), _sub_map(key, device_map)
@@ -123,6 +127,9 @@ def _move_to(model: Any, members: List[Tuple[str, Any, bool]], device: Any) -> N
     from ._redispatch import _same_device
 
     for name, tensor, _ in members:
+        if tensor.device.type == "meta" or _same_device(tensor.device, device):
+            # on meta before: _place_tensors has just put it in memory, where a one-device map puts it
+            continue
         current = model.get_parameter(name) if _is_parameter(model, name) else model.get_buffer(name)
         if not _same_device(current.device, device):
             set_module_tensor_to_device(model, name, device)

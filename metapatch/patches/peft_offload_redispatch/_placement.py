@@ -3,7 +3,7 @@ user's explicit map, or one inferred from ``max_memory`` as PEFT documents it.""
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, List, Optional
 
 from metapatch._records import MetapatchError
 
@@ -34,11 +34,13 @@ def _base_prefix(model: Any, base: Any) -> str:
 
 def _user_map(model: Any, base: Any, prefix: str, device_map: Dict[str, Any]) -> Dict[str, Any]:
     """A user's map in the wrapper's names: the base's own names (what the seed passed) are re-keyed."""
-    wrapper_names = set(dict(model.named_modules()))
+    from metapatch._adapter_offload import named_modules
+
+    wrapper_names = {name for name, _ in named_modules(model)}
     named = [k for k in device_map if k]
     if named and all(k in wrapper_names for k in named):
         return dict(device_map)
-    base_names = set(dict(base.named_modules()))
+    base_names = {name for name, _ in named_modules(base)}
     if all(k in base_names for k in named):
         return _prefixed(device_map, prefix)
     unknown = [k for k in named if k not in wrapper_names and k not in base_names]
@@ -69,12 +71,13 @@ def _placement_of(name: str, device_map: Dict[str, Any]) -> Any:
     return None if best is None else device_map[best]
 
 
-def _cover_the_rest(model: Any, device_map: Dict[str, Any], main: Any) -> Dict[str, Any]:
+def _cover_the_rest(model: Any, device_map: Dict[str, Any], main: Any, names: Optional[List[str]] = None) -> Dict[str, Any]:
     """Modules outside the base (prompt encoders, shared banks) go to the main device, as upstream's
-    freshly inferred map would put them."""
+    freshly inferred map would put them. ``names``: the model's state-dict names, where the caller
+    has them (it asks for two maps of the same unchanged model)."""
     # accelerate checks coverage against state_dict's names, which list a shared module under every
     # path (VeRA's vera_A/vera_B buffers: in each layer and on the tuner model itself).
-    for name in model.state_dict(keep_vars=True):
+    for name in (names if names is not None else model.state_dict(keep_vars=True)):
         if _placement_of(name, device_map) is None:
             device_map[name.rpartition(".")[0]] = main
     return device_map
@@ -87,8 +90,13 @@ def _main_device(device_map: Dict[str, Any]) -> Any:
     return next(v for v in device_map.values() if str(v) not in OFFLOADED_DEVICES)
 
 
-def new_placement(model: Any, base: Any, options: Dict[str, Any]) -> Dict[str, Any]:
-    prefix = _base_prefix(model, base)
+def new_placement(model: Any, base: Any, options: Dict[str, Any], known: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """The map ``options`` ask for. ``known``: a dictionary kept by a caller that asks for several maps
+    of one unchanged model; what is read of the model (the base's name, the state-dict names) is read once."""
+    known = {} if known is None else known
+    if "prefix" not in known:
+        known["prefix"] = _base_prefix(model, base)
+    prefix = known["prefix"]
     device_map, max_memory = options.get("device_map"), options.get("max_memory")
     if device_map is None and max_memory is None:
         current = model.__dict__.get("hf_device_map")  # an earlier re-dispatch of this wrapper
@@ -97,5 +105,7 @@ def new_placement(model: Any, base: Any, options: Dict[str, Any]) -> Dict[str, A
         chosen = _user_map(model, base, prefix, device_map)
     else:
         chosen = _inferred_map(model, device_map or "auto", max_memory)
-    return _cover_the_rest(model, chosen, _main_device(chosen))
+    if "names" not in known:
+        known["names"] = list(model.state_dict(keep_vars=True))
+    return _cover_the_rest(model, chosen, _main_device(chosen), known["names"])
 

@@ -13,7 +13,7 @@ from metapatch._adapter_offload import follow_base_layer_hooks
 
 from . import _incremental
 from ._placement import base_model_of, _main_device, _placement_of, new_placement
-from ._sources import OffloadedTensors, _sources_by_name, _value
+from ._sources import OffloadedTensors, _sources_by_name, values_of
 
 
 def _write_new_disk_tensors(tensors: Dict[str, Any], offload_dir: str, weights: OffloadedTensors) -> None:
@@ -49,8 +49,10 @@ def module_tensors(model: Any, remove_duplicate: bool = True) -> Iterator[Tuple[
     import torch
     from peft.tuners.tuners_utils import BaseTunerLayer
 
+    from metapatch._adapter_offload import named_modules
+
     adapter_modules: set = set()
-    for module_name, module in model.named_modules(remove_duplicate=remove_duplicate):
+    for module_name, module in named_modules(model, remove_duplicate=remove_duplicate):
         if isinstance(module, BaseTunerLayer):
             for attr in tuple(module.adapter_layer_names) + tuple(module.other_param_names):
                 part = getattr(module, attr, None)
@@ -83,7 +85,7 @@ def _place_tensors(model: Any, device_map: Dict[str, Any], sources: Dict[str, An
     ``offload_dir`` are written, there."""
     from accelerate.utils import named_module_tensors, set_module_tensor_to_device
 
-    weights, new_disk, kept_in_memory = OffloadedTensors(), {}, []
+    weights, new_disk, kept_in_memory, onloaded = OffloadedTensors(), {}, [], []
     if tensors is None:
         adapters = _adapter_tensor_names(model)
         tensors = [(name, tensor, name in adapters)
@@ -95,7 +97,7 @@ def _place_tensors(model: Any, device_map: Dict[str, Any], sources: Dict[str, An
                                  "where its value is; refusing to dispatch a model with missing values")
         if str(where) not in offloaded_devices:
             if tensor.device.type == "meta":
-                set_module_tensor_to_device(model, name, where, value=_value(sources[name]))
+                onloaded.append((name, where))
         elif name in sources:
             weights.entries[name] = sources[name]
         elif str(where) == "disk" and offload_dir is not None:
@@ -104,6 +106,9 @@ def _place_tensors(model: Any, device_map: Dict[str, Any], sources: Dict[str, An
             weights.add_tensor(name, tensor.detach())
             if str(where) == "disk" and not is_adapter:
                 kept_in_memory.append(name)
+    # Read together: the tensors of one checkpoint file with the file opened once.
+    for (name, where), value in zip(onloaded, values_of([sources[name] for name, _ in onloaded])):
+        set_module_tensor_to_device(model, name, where, value=value)
     if new_disk:
         _write_new_disk_tensors(new_disk, offload_dir, weights)
     if kept_in_memory:
@@ -128,14 +133,16 @@ def redispatch(model: Any, captured: Dict[int, Tuple[Any, Dict[str, Any]]], opti
     # offload_dir alone asks for no placement: it names where tensors newly sent to disk would go,
     # and keeping the base's dispatch sends none there (peft's own error message tells users to pass it).
     asked = bool(set(options) - _NOT_A_PLACEMENT)
-    current = _served_placement(model, base, sources)
+    known: Dict[str, Any] = {}  # read of the model once for both maps (nothing changes it in between)
+    current = _served_placement(model, base, sources, known)
     if current is not None and not asked:
         model.hf_device_map = current  # the adapters already follow their layers' hooks (inject_adapter)
         return
-    device_map = new_placement(model, base, options)
+    device_map = new_placement(model, base, options, known)
     # A placement asked for (device_map="auto", max_memory, ...): where it equals the current one
     # nothing moves; elsewhere only the entries whose tensors move are re-hooked.
-    if current is not None and _incremental.apply(model, base, current, device_map, sources, options):
+    if current is not None and _incremental.apply(model, base, current, device_map, sources, options,
+                                                  known.get("walk")):
         return
     _remove_hooks(model)
     main = _main_device(device_map)
@@ -161,7 +168,8 @@ def redispatch(model: Any, captured: Dict[int, Tuple[Any, Dict[str, Any]]], opti
     follow_base_layer_hooks(model)
 
 
-def _served_placement(model: Any, base: Any, sources: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+def _served_placement(model: Any, base: Any, sources: Dict[str, Any],
+                      known: Optional[Dict[str, Any]] = None) -> Optional[Dict[str, Any]]:
     """The current placement (the base's map re-keyed for the wrapper) where the base's hooks
     already serve the model as it now is: every meta tensor is one an offload hook reads, every other
     tensor sits where that map puts it, or is an adapter tensor following its offloaded base layer.
@@ -171,31 +179,48 @@ def _served_placement(model: Any, base: Any, sources: Dict[str, Any]) -> Optiona
     tensor no hook knows): the full re-dispatch."""
     from metapatch._tied_groups import entry_of
 
-    device_map = new_placement(model, base, {})
+    device_map = new_placement(model, base, {}, known)
     main = _main_device(device_map)
     offloaded_devices = {"disk"} if str(main) in ("cpu", "mps") else {"cpu", "disk"}
-    for name, tensor, is_adapter in _named_tensors(model):
+    wanted: Dict[Any, Any] = {}  # placement -> its torch.device, made once (there are a few, and ~10 tensors per module)
+    if known is None:
+        tensors = list(_named_tensors(model))
+    else:
+        # Every tensor under its first name: what _named_tensors gives, from the walk the in-place
+        # re-placement needs too (kept for it).
+        if "walk" not in known:
+            known["walk"] = _incremental._walk(model)
+        tensors = known["walk"][0]
+    for name, tensor, is_adapter in tensors:
         key = entry_of(device_map, name)  # the longest prefix, by dictionary look-ups
         where = None if key is None else device_map[key]
+        device = tensor.device
         if str(where) in offloaded_devices:
-            if tensor.device.type == "meta":
+            if device.type == "meta":
                 if name not in sources:
                     return None
                 continue
-            if not is_adapter or not _same_device(tensor.device, main):
+            where = main
+            if not is_adapter:
                 return None
-        elif not _same_device(tensor.device, where):
+        if where not in wanted:
+            wanted[where] = _device_of(where)
+        if device != wanted[where]:
             return None
     return device_map
 
 
-def _same_device(device: Any, placement: Any) -> bool:
+def _device_of(placement: Any) -> Any:
     import torch
 
     wanted = torch.device("cuda", placement) if isinstance(placement, int) else torch.device(str(placement))
     if wanted.type != "cpu" and wanted.index is None:
         wanted = torch.device(wanted.type, 0)
-    return device == wanted
+    return wanted
+
+
+def _same_device(device: Any, placement: Any) -> bool:
+    return device == _device_of(placement)
 
 
 def _remove_hooks(model: Any) -> None:

@@ -4,7 +4,7 @@ anyone removes them, and a state dict that reads through those same sources (not
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 # -- where offloaded tensors live ------------------------------------------------------------------
 
@@ -50,10 +50,13 @@ def _source(weights_map: Any, key: str) -> Optional[Tuple[Any, Optional[str]]]:
 def capture_sources(root: Any) -> Dict[int, Tuple[Any, Dict[str, Any]]]:
     """Where every tensor offloaded by an accelerate hook under ``root`` is read from, keyed by the
     module object (names change when PEFT wraps a layer; the module does not)."""
+    from metapatch._adapter_offload import named_modules
     from metapatch._hook_state import offload_hooks
 
     found: Dict[int, Tuple[Any, Dict[str, Any]]] = {}
-    for module in root.modules():
+    for _, module in named_modules(root):
+        if "_hf_hook" not in module.__dict__:
+            continue
         for hook in offload_hooks(module):
             if hook.weights_map is None:
                 continue
@@ -68,8 +71,10 @@ def capture_sources(root: Any) -> Dict[int, Tuple[Any, Dict[str, Any]]]:
 
 
 def _sources_by_name(model: Any, captured: Dict[int, Tuple[Any, Dict[str, Any]]]) -> Dict[str, Any]:
+    from metapatch._adapter_offload import named_modules
+
     named = {}
-    for module_name, module in model.named_modules():
+    for module_name, module in named_modules(model):
         entry = captured.get(id(module))
         if entry is not None:
             for tensor_name, source in entry[1].items():
@@ -81,3 +86,43 @@ def _value(source: Tuple[Any, Optional[str]]) -> Any:
     holder, key = source
     return holder if key is None else holder[key]
 
+
+
+def values_of(sources: Sequence[Tuple[Any, Optional[str]]]) -> List[Any]:
+    """The values of several sources, in order. Those accelerate's loader reads from a safetensors file
+    (the checkpoint itself, for a base offloaded by ``from_pretrained``) are read with each file opened
+    once: the loader opens the file again for every tensor, which was most of what bringing a disk
+    layer into memory cost. The same bytes, cast as the loader casts them; anything else (a ``.dat``
+    file, a tensor in memory, another loader, another device) is read through its holder."""
+    values: List[Any] = [None] * len(sources)
+    by_file: Dict[str, List[Tuple[int, str, Dict[str, Any]]]] = {}
+    for index, source in enumerate(sources):
+        info = _checkpoint_entry(*source)
+        if info is None:
+            values[index] = _value(source)
+        else:
+            by_file.setdefault(info["safetensors_file"], []).append((index, source[1], info))
+    if by_file:
+        import torch
+        from safetensors import safe_open
+
+        for path, entries in by_file.items():
+            with safe_open(path, framework="pt", device="cpu") as handle:
+                for index, key, info in entries:
+                    tensor = handle.get_tensor(info.get("weight_name", key))
+                    if "dtype" in info:
+                        tensor = tensor.to(getattr(torch, info["dtype"]))
+                    values[index] = tensor
+    return values
+
+
+def _checkpoint_entry(holder: Any, key: Optional[str]) -> Optional[Dict[str, Any]]:
+    """The index entry of ``key`` where ``holder`` is accelerate's own loader reading it, onto the CPU,
+    from a safetensors file; None otherwise."""
+    from accelerate.utils import OffloadedWeightsLoader
+
+    if key is None or type(holder) is not OffloadedWeightsLoader \
+            or (holder.device is not None and str(holder.device) != "cpu") or key in holder.state_dict:
+        return None
+    info = holder.index.get(key)
+    return info if isinstance(info, dict) and info.get("safetensors_file") is not None else None

@@ -177,8 +177,6 @@ def _reads_no_base_value(tuner: Any, config: Any, target: Any) -> bool:
     shape, dtype and device: a plain LoRA (not a subclass: AdaLoRA and the rest initialise
     otherwise) with a value-free initialisation and no variant, over a plain ``Linear`` or
     ``Embedding`` (a quantized base reads its quantization state)."""
-    import dataclasses
-
     import torch
     from peft.tuners.lora import LoraConfig, LoraModel
 
@@ -189,10 +187,24 @@ def _reads_no_base_value(tuner: Any, config: Any, target: Any) -> bool:
         return False
     if any(getattr(config, name, None) for name in _LORA_VARIANT_FIELDS):
         return False
-    if any(field.metadata.get("is_lora_variant") and getattr(config, field.name, None)
-           for field in dataclasses.fields(config)):
+    if any(getattr(config, name, None) for name in _variant_fields(type(config))):
         return False
     return type(_adapter_offload.base_layer_of(target)) in (torch.nn.Linear, torch.nn.Embedding)
+
+
+_VARIANT_FIELDS: Dict[type, tuple] = {}
+
+
+def _variant_fields(config_class: type) -> tuple:
+    """The dataclass fields of ``config_class`` marked as a LoRA variant, read once per class (a class's
+    fields are fixed; the check runs for every target module of every adapter load)."""
+    found = _VARIANT_FIELDS.get(config_class)
+    if found is None:
+        import dataclasses
+
+        found = _VARIANT_FIELDS[config_class] = tuple(
+            field.name for field in dataclasses.fields(config_class) if field.metadata.get("is_lora_variant"))
+    return found
 
 
 def _created_empty(args: tuple, kwargs: dict) -> bool:
