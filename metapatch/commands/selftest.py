@@ -13,14 +13,16 @@ from typing import Any, Dict, List, Optional, Sequence
 
 HELP = ("run the shipped reproducers against the installed versions, each in a subprocess without and "
         "with metapatch, and show whether metapatch fixes them here: by default one scenario per patch (its "
-        "scenarios in order until one decides here: its bug and fix shown, or a pass where the install is not affected), two at a time; --all runs every scenario (exit 0 "
+        "representative first, then its others in order until one decides here: its bug and fix shown, or a "
+        "pass where the install is not affected), two runs at a time; --all runs every scenario (exit 0 "
         "only when every scenario run passes with metapatch; scenarios that do not apply to the installed "
         "versions are reported n/a and do not change the exit code)")
 
 EPILOG = """selection:
-  (default)        one scenario per patch: its scenarios in order until one decides here (not n/a,
-                   not skipped, not "not reproduced"), so every patch's bug and fix is reproduced on
-                   this install where a scenario shows it
+  (default)        one scenario per patch: its representative (the cheapest that shows the bug and
+                   the fix on the releases it was measured on) first, then its other scenarios in
+                   order until one decides here (not n/a, not skipped, not "not reproduced"), so every
+                   patch's bug and fix is reproduced on this install where a scenario shows it
   --all            every scenario (what CI runs); --include-slow adds the test suite's slow variants
   --patch/--scenario  exactly the scenarios named
 
@@ -50,6 +52,7 @@ class Row:
     verdict: str = ""
     ok: bool = True
     seconds: float = 0.0
+    cpu_seconds: Optional[float] = None  # both runs' CPU time (None where unknown): what a quiet machine needs
     not_applicable: Optional[str] = None  # why the scenario does not apply here (verdict "n/a (...)")
 
 
@@ -65,7 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--include-slow", action="store_true",
                         help="also run the slow variants the test suite runs (in_selftest=False); implies --all")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), metavar="N",
-                        help="scenarios run at once, each its own pair of subprocesses (default: 2, or 1 on one core)")
+                        help="runs at once (a scenario is two runs, without and with metapatch, which may go "
+                             "out together; default: 2, or 1 on one core)")
     parser.add_argument("--timeout", type=float, default=300, metavar="SECONDS",
                         help="per run (default 300)")
 
@@ -87,6 +91,7 @@ def _outcome_summary(outcome: Any, patch_id: str) -> Dict[str, Any]:
         "max_abs_diff": outcome.metrics.get("max_abs_diff"),
         "metrics": outcome.metrics,
         "seconds": round(outcome.seconds, 2),
+        "cpu_seconds": outcome.cpu_seconds,
         "patch_state": outcome.states.get(patch_id),
         "traceback_tail": outcome.traceback[-1500:] if not outcome.passed else "",
         "not_applicable": outcome.not_applicable,
@@ -137,9 +142,9 @@ def _missing_package(outcome: Any) -> bool:
     return bool(name) and "." not in name
 
 
-def run_one(scenario: Any, registry: Any, timeout: float) -> Row:
-    from metapatch.selftest import run_scenario
-
+def start_row(scenario: Any, registry: Any) -> Row:
+    """The row of ``scenario`` before any run: its gate; verdict "skipped" already where a distribution
+    its patch needs is not installed (then nothing is run)."""
     patch = registry.patches.get(scenario.patch_id)
     if patch is not None:
         affected, reason, installed, _ = registry.gate(patch)
@@ -149,19 +154,36 @@ def run_one(scenario: Any, registry: Any, timeout: float) -> Row:
               scenario.expected_error)
     if patch is not None and not affected and _missing_distribution(reason):
         row.verdict, row.ok = "skipped", True
+    return row
+
+
+def finish_row(row: Row, unpatched: Any, patched: Optional[Any], seconds: float) -> Row:
+    """Judge ``row`` from its runs. A patched run made while the unpatched one said n/a is dropped:
+    applicability does not depend on metapatch, so it is not needed (and not shown)."""
+    row.unpatched = _outcome_summary(unpatched, row.patch_id)
+    row.patched = None
+    if unpatched.not_applicable is None and patched is not None:
+        row.patched = _outcome_summary(patched, row.patch_id)
+    row.seconds = round(seconds, 2)
+    cpu = [r.get("cpu_seconds") for r in (row.unpatched, row.patched) if r]
+    row.cpu_seconds = round(sum(cpu), 2) if cpu and None not in cpu else None
+    if row.patched is not None and _missing_package(patched):
+        row.verdict, row.ok = "skipped", True  # an optional package the scenario imports is missing
+        return row
+    return judge(row)
+
+
+def run_one(scenario: Any, registry: Any, timeout: float) -> Row:
+    """One scenario, its two runs one after the other (the unpatched one first)."""
+    from metapatch.selftest import run_scenario
+
+    row = start_row(scenario, registry)
+    if row.verdict == "skipped":
         return row
     started = time.perf_counter()
     unpatched = run_scenario(scenario, patched=False, timeout=timeout)
-    row.unpatched = _outcome_summary(unpatched, scenario.patch_id)
-    if unpatched.not_applicable is None:
-        patched = run_scenario(scenario, patched=True, timeout=timeout)
-        row.patched = _outcome_summary(patched, scenario.patch_id)
-        if _missing_package(patched):
-            row.seconds = round(time.perf_counter() - started, 2)
-            row.verdict, row.ok = "skipped", True  # an optional package the scenario imports is missing
-            return row
-    row.seconds = round(time.perf_counter() - started, 2)
-    return judge(row)
+    patched = run_scenario(scenario, patched=True, timeout=timeout) if unpatched.not_applicable is None else None
+    return finish_row(row, unpatched, patched, time.perf_counter() - started)
 
 
 # -- output --------------------------------------------------------------------------------------
@@ -247,65 +269,138 @@ def _decisive(row: Row) -> bool:
 
 
 def chains(scenarios: Sequence[Any], quick: bool) -> List[List[Any]]:
-    """Units of work for the lanes. Quick: one chain per patch (its scenarios in declared order, run
-    until one is decisive); otherwise every scenario is its own chain and always runs."""
+    """Units of work. Quick: one chain per patch, run until one scenario is decisive: first the
+    scenarios marked ``quick`` (the patch's representative: the cheapest that shows its bug and fix
+    on the releases it was measured on), then the others in declared order; otherwise every scenario
+    is its own chain and always runs."""
     if not quick:
         return [[s] for s in scenarios]
     by_patch: Dict[str, List[Any]] = {}
     for scenario in scenarios:
         by_patch.setdefault(scenario.patch_id, []).append(scenario)
-    return list(by_patch.values())
+    return [sorted(chain, key=lambda s: not getattr(s, "quick", False)) for chain in by_patch.values()]
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 60}:{seconds % 60:02d}"
 
 
 class Progress:
-    """One line per finished chain on stderr: how many are done, and an estimate of the time left
-    from the mean chain time so far, divided over the lanes."""
+    """A line on stderr per finished scenario: which, its verdict and time, how many chains (patches,
+    in the quick run) are done of how many, the time so far and an estimate of the time left (the
+    time so far per finished chain, times the chains left)."""
 
     def __init__(self, total: int, jobs: int, enabled: bool) -> None:
         self.total, self.jobs, self.enabled = total, jobs, enabled
-        self.done, self.busy, self.started = 0, 0.0, time.perf_counter()
+        self.done, self.started = 0, time.perf_counter()
 
-    def finished(self, rows: Sequence[Row], seconds: float) -> None:
-        self.done += 1
-        self.busy += seconds
+    def finished(self, row: Row, chain_done: bool, following: Optional[str] = None) -> None:
+        self.done += chain_done
         if not self.enabled:
             return
+        elapsed = time.perf_counter() - self.started
         left = self.total - self.done
-        estimate = self.busy / self.done * left / self.jobs
-        last = rows[-1]
-        tail = f", about {estimate:.0f} s left" if left else ""
-        print(f"[{self.done}/{self.total}] {last.scenario}: {last.verdict} ({seconds:.0f} s; "
-              f"{time.perf_counter() - self.started:.0f} s so far{tail})", file=sys.stderr, flush=True)
+        estimate = f", about {_clock(elapsed / self.done * left)} left" if left and self.done else ""
+        then = f"; next for this patch: {following}" if following else ""
+        print(f"[{self.done}/{self.total}] {row.scenario}: {row.verdict} ({row.seconds:.0f} s{then}) "
+              f"[{_clock(elapsed)} elapsed{estimate}]", file=sys.stderr, flush=True)
+
+
+class _Chain:
+    """One chain's place in the schedule: its current scenario, the runs of it not started yet, the
+    outcomes back so far."""
+
+    def __init__(self, scenarios: Sequence[Any]) -> None:
+        self.scenarios, self.index, self.done = list(scenarios), -1, False
+        self.row: Optional[Row] = None
+        self.legs: List[str] = []
+        self.running = 0
+        self.outcomes: Dict[str, Any] = {}
+        self.started = 0.0
 
 
 def run_chains(work: List[List[Any]], quick: bool, jobs: int, registry: Any, timeout: float,
                on_row: Any, progress: Progress) -> List[Row]:
-    """Run the chains on ``jobs`` threads (each with its own warm parent); rows come back in the
-    order the scenarios were given, whatever order they finished in."""
-    order = {s.key: n for n, chain in enumerate(work) for s in chain}
+    """Run the chains with ``jobs`` runs in flight at once (default 2: one per core). The unit is a
+    run, not a scenario: a scenario's unpatched and patched runs go out at once, so no core waits
+    while the other finishes a scenario's second run. In a chain, the next scenario starts only once
+    the current one is judged (quick: only where it did not decide). Rows come back in the order the
+    scenarios were given, whatever order they finished in."""
+    from metapatch.selftest import run_scenario
+
+    order = {s.key: (n, i) for n, chain in enumerate(work) for i, s in enumerate(chain)}
+    states = [_Chain(chain) for chain in work]
     rows: List[Row] = []
-    lock = threading.Lock()
-    pending = list(enumerate(work))
+    cond = threading.Condition()
+
+    def advance(chain: _Chain) -> None:  # under cond: the chain's next scenario, or its end
+        while True:
+            chain.index += 1
+            if chain.index >= len(chain.scenarios):
+                chain.done = True
+                return
+            scenario = chain.scenarios[chain.index]
+            chain.row = start_row(scenario, registry)
+            if chain.row.verdict != "skipped":
+                # Where the parent already knows the scenario is n/a here, its patched run is not
+                # started; the child decides it again (the unpatched run reports n/a).
+                chain.legs = ["unpatched"] + ([] if scenario.not_applicable_here() else ["patched"])
+                chain.outcomes, chain.started = {}, time.perf_counter()
+                return
+            record(chain)  # skipped: it decides nothing, so on to the next
+
+    def record(chain: _Chain) -> None:  # under cond
+        row = chain.row
+        rows.append(row)
+        on_row(row)
+        last = chain.index == len(chain.scenarios) - 1 or (quick and _decisive(row))
+        following = None if last else chain.scenarios[chain.index + 1].name
+        progress.finished(row, chain_done=last, following=following)
+
+    def take() -> Optional[tuple]:  # under cond: the next run to start, None when all is done
+        while True:
+            for chain in states:
+                if chain.done:
+                    continue
+                if chain.index < 0:
+                    advance(chain)
+                    if chain.done:
+                        continue
+                if chain.legs:
+                    chain.running += 1
+                    return chain, chain.scenarios[chain.index], chain.legs.pop(0)
+            if all(chain.done for chain in states):
+                return None
+            cond.wait()
 
     def lane() -> None:
         while True:
-            with lock:
-                if not pending:
-                    return
-                _, chain = pending.pop(0)
-            started, done = time.perf_counter(), []
-            for scenario in chain:
-                row = run_one(scenario, registry, timeout)
-                done.append(row)
-                with lock:
-                    rows.append(row)
-                    on_row(row)
-                if quick and _decisive(row):
-                    break
-            with lock:
-                progress.finished(done, time.perf_counter() - started)
+            with cond:
+                task = take()
+            if task is None:
+                return
+            chain, scenario, leg = task
+            outcome = run_scenario(scenario, patched=leg == "patched", timeout=timeout)
+            with cond:
+                chain.running -= 1
+                chain.outcomes[leg] = outcome
+                if leg == "unpatched":
+                    if outcome.not_applicable is not None:
+                        chain.legs = []  # not needed: n/a does not depend on metapatch
+                    elif "patched" not in chain.legs and "patched" not in chain.outcomes and not chain.running:
+                        chain.legs.append("patched")  # the parent thought n/a, the child ran it
+                if not chain.running and not chain.legs:
+                    finish_row(chain.row, chain.outcomes["unpatched"], chain.outcomes.get("patched"),
+                               time.perf_counter() - chain.started)
+                    record(chain)
+                    if quick and _decisive(chain.row):
+                        chain.done = True
+                    else:
+                        advance(chain)
+                cond.notify_all()
 
-    threads = [threading.Thread(target=lane, daemon=True) for _ in range(max(1, min(jobs, len(work))))]
+    threads = [threading.Thread(target=lane, daemon=True) for _ in range(max(1, jobs))]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -331,7 +426,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.json:
         what = (f"one scenario per patch ({len(work)} patches, {len(scenarios)} scenarios in all; --all runs every one)"
                 if quick else f"{len(scenarios)} scenarios")
-        print(f"metapatch selftest: {what}, {jobs} at a time", file=sys.stderr, flush=True)
+        print(f"metapatch selftest: {what}, {jobs} runs at a time; progress here, on stderr", file=sys.stderr,
+              flush=True)
         print(format_line([c.upper() for c in COLUMNS]), flush=True)
 
     def on_row(row: Row) -> None:
