@@ -308,7 +308,8 @@ class _WarmParent:
 
 
 _PARENTS: Dict[Any, Optional[_WarmParent]] = {}  # environment key -> parent (None: it would not start)
-_PARENTS_LOCK = threading.Lock()
+_STARTING: Dict[Any, threading.Lock] = {}  # environment key -> held while its parent starts
+_PARENTS_LOCK = threading.Lock()  # guards both tables; never held while a parent starts
 _MAX_PRELOADED = 4  # distinct environments with a preloaded parent at once (the selftest needs 2)
 
 
@@ -320,27 +321,31 @@ def _warm_parent(env: Mapping[str, str], preload: bool) -> Optional[_WarmParent]
     started in exactly that environment (one per environment: patched, unpatched) imports metapatch
     and then the stack (PRELOAD) once for all its children. Otherwise, or with
     METAPATCH_SELFTEST_PRELOAD=0, or where such a parent fails to start, one torch-only parent
-    serves every environment. Either kind serves several threads at once."""
+    serves every environment. Either kind serves several threads at once; parents of different
+    environments start at the same time."""
     if os.environ.get("METAPATCH_SELFTEST_FORK", "1") == "0" or not hasattr(os, "fork"):
         return None
+    if preload and os.environ.get("METAPATCH_SELFTEST_PRELOAD", "1") != "0":
+        own = {k: v for k, v in env.items() if k != REQUIRES_ENV}  # read at run time, in the child
+        key = tuple(sorted(own.items()))
+        with _PARENTS_LOCK:
+            room = key in _STARTING or sum(1 for k in _STARTING if k != "torch") < _MAX_PRELOADED
+        parent = _parent(key, own) if room else None
+        if parent is not None:
+            return parent
+    return _parent("torch", None)
+
+
+def _parent(key: Any, env: Optional[Mapping[str, str]]) -> Optional[_WarmParent]:
     with _PARENTS_LOCK:
-        if preload and os.environ.get("METAPATCH_SELFTEST_PRELOAD", "1") != "0":
-            own = {k: v for k, v in env.items() if k != REQUIRES_ENV}  # read at run time, in the child
-            key = tuple(sorted(own.items()))
-            known = key in _PARENTS
-            if (known and _PARENTS[key] is not None and not _PARENTS[key].alive()) or (
-                    not known and sum(1 for k in _PARENTS if k != "torch") < _MAX_PRELOADED):
-                _start(key, own)
-            if _PARENTS.get(key) is not None:
-                return _PARENTS[key]
-        parent = _PARENTS.get("torch", False)
+        starting = _STARTING.setdefault(key, threading.Lock())
+    with starting:
+        parent = _PARENTS.get(key, False)
         if parent is False or (parent is not None and not parent.alive()):
-            _start("torch", None)
-        return _PARENTS["torch"]
-
-
-def _start(key: Any, env: Optional[Mapping[str, str]]) -> None:
-    try:
-        _PARENTS[key] = _WarmParent(env)
-    except Exception:  # noqa: BLE001 - torch missing or the parent failed: fall back, do not fail
-        _PARENTS[key] = None
+            try:
+                parent = _WarmParent(env)
+            except Exception:  # noqa: BLE001 - torch missing or the parent failed: fall back, do not fail
+                parent = None
+            with _PARENTS_LOCK:
+                _PARENTS[key] = parent
+        return parent
