@@ -154,17 +154,7 @@ def run_scenario(
     (a patched copy of an upstream package). Safe to call from several threads at once."""
     if isinstance(scenario, str):
         scenario = find(scenario)
-    child_env = dict(os.environ)
-    child_env.pop("METAPATCH_DISABLE", None)
-    child_env.pop(REQUIRES_ENV, None)
-    if scenario.requires:  # judged in the child, where the upstream copy under test is importable
-        child_env[REQUIRES_ENV] = json.dumps(dict(scenario.requires))
-    if env:
-        child_env.update(env)
-    if not patched:
-        child_env["METAPATCH_DISABLE"] = "all"
-    here = str(Path(__file__).resolve().parents[2])  # so the child imports this very metapatch
-    child_env["PYTHONPATH"] = os.pathsep.join([*pythonpath, here, child_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    child_env = _child_env(scenario.requires, patched, pythonpath, env)
     with tempfile.TemporaryDirectory(prefix="metapatch-selftest-") as tmp:
         result_file = Path(tmp) / "result.json"
         workdir = Path(tmp) / "work"
@@ -187,6 +177,40 @@ def run_scenario(
     return Outcome(scenario.key, patched, data["passed"], data.get("error_type"), data.get("error"),
                    data.get("traceback", ""), data.get("metrics", {}), seconds, stderr[-4000:],
                    data.get("metapatch_status", {}), data.get("not_applicable"), cpu)
+
+
+def _child_env(requires: Mapping[str, str], patched: bool, pythonpath: Sequence[str] = (),
+               env: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
+    child_env = dict(os.environ)
+    child_env.pop("METAPATCH_DISABLE", None)
+    child_env.pop(REQUIRES_ENV, None)
+    if requires:  # judged in the child, where the upstream copy under test is importable
+        child_env[REQUIRES_ENV] = json.dumps(dict(requires))
+    if env:
+        child_env.update(env)
+    if not patched:
+        child_env["METAPATCH_DISABLE"] = "all"
+    here = str(Path(__file__).resolve().parents[2])  # so the child imports this very metapatch
+    child_env["PYTHONPATH"] = os.pathsep.join([*pythonpath, here, child_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return child_env
+
+
+def warm_up() -> Optional[List[str]]:
+    """Start the warm parents of plain runs (without and with metapatch) at once, before the first run
+    needs them, so that no scenario's time includes their start. Returns what the patched runs' parent
+    preloaded ([]: torch only), None where runs start fresh interpreters (no parent)."""
+    found: Dict[bool, Optional[List[str]]] = {}
+
+    def start(patched: bool) -> None:
+        parent = _warm_parent(_child_env({}, patched), preload=True)
+        found[patched] = None if parent is None else list(parent.preloaded)
+
+    threads = [threading.Thread(target=start, args=(patched,)) for patched in (False, True)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return found.get(True)
 
 
 def _run_fresh(function: str, workdir: Path, result_file: Path, env: Mapping[str, str], cwd: str,
@@ -248,7 +272,7 @@ class _WarmParent:
         if hello.get("ready") is not True:
             self.close()
             raise RuntimeError(f"the warm parent did not start: {hello.get('error', 'no answer')}")
-        self.preloaded = hello.get("preloaded", [])
+        self.preloaded: List[str] = hello.get("preloaded", [])
         self.lock = threading.Lock()  # writes, the id counter and the table of pending runs
         self.pending: Dict[int, list] = {}  # id -> [event, reply]
         self.next_id = 0
