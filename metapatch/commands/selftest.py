@@ -27,6 +27,13 @@ EPILOG = """selection:
   --all            every scenario (what CI runs); --include-slow adds the test suite's slow variants
   --patch/--scenario  exactly the scenarios named
 
+speed:
+  each run is a fork of a warm parent that imported metapatch and then torch, transformers,
+  accelerate, peft and bitsandbytes once (one parent without metapatch, one with it), in the order a
+  fresh interpreter imports them; METAPATCH_SELFTEST_PRELOAD=0 keeps the parents to torch,
+  METAPATCH_SELFTEST_FORK=0 starts a fresh interpreter per run. --json gives seconds and cpu_seconds
+  (user + system, subprocesses included) per run: a busy machine stretches the first, not the second
+
 verdicts:
   fixed            affected install: fails without metapatch, passes with it
   not reproduced   affected install, but the unpatched run passed on this machine (the fix is still checked)
