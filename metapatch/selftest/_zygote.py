@@ -15,8 +15,9 @@ compares a forked child's patch sites with a fresh interpreter's). A listed modu
 installed is left out; one that fails to import makes this parent refuse to start (the harness then
 runs that kind of run in a torch-only parent), as a half-imported package is no clean state.
 
-Several runs at once: each request line names an id, each reply line carries it; stdout carries only
-this protocol, a child's output goes to its log file. A reply gives the child's CPU time (wait4),
+Several runs at once: each request line names an id, each reply line carries it; the replies go out on
+the process's original stdout, which carries nothing else (what the parent prints goes to stderr, a
+child's output to its log file). A reply gives the child's CPU time (wait4),
 its own waited-for subprocesses included.
 """
 
@@ -35,6 +36,10 @@ if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(
 import torch  # noqa: F401 - the point of this process
 
 REPO = os.environ["METAPATCH_ZYGOTE_REPO"]
+# The protocol's own copy of stdout: whatever an import prints (bitsandbytes reports missing kernels)
+# goes to stderr instead, never into a reply.
+PROTOCOL = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
 PRELOAD = [m for m in os.environ.get("METAPATCH_ZYGOTE_PRELOAD", "").split(",") if m]
 
 
@@ -57,6 +62,7 @@ def _preload() -> list:
 def _child(request: dict) -> None:
     log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # the request pipe is the parent's alone
+    os.close(PROTOCOL.fileno())  # so is the reply pipe
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.environ.clear()
@@ -89,8 +95,8 @@ def _cpu(usage) -> float:
 
 
 def _reply(reply: dict) -> None:
-    sys.stdout.write(json.dumps(reply) + "\n")
-    sys.stdout.flush()
+    PROTOCOL.write(json.dumps(reply) + "\n")
+    PROTOCOL.flush()
 
 
 def main() -> None:
