@@ -17,8 +17,8 @@ The CI run is ``tests/test_flows.py`` (derandomized, a few examples). The long r
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 python tests/_flows.py --examples 200 --steps 10 [--inits all] [--derandomize]
 
-prints how many sequences and steps ran, how many the offloaded side refused, and every failure hypothesis
-found, shrunk.
+prints the wall time of every sequence (hypothesis' shrinking replays included) and in all, how many sequences
+and steps ran, how many the offloaded side refused, and every failure hypothesis found, shrunk.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -46,6 +47,9 @@ LINEAR_TARGETS = ("q_proj", "v_proj", "o_proj", "down_proj")
 OPEN_INITS: tuple = ()
 INITS = (False, True, "gaussian", "pissa", "olora")
 STATS: Dict[str, int] = {"sequences": 0, "steps": 0, "refused": 0, "reference_failed": 0}
+# One entry per sequence run, in order: its wall time (from the first load to the teardown's checks), its steps,
+# and how it ended ("ran", "refused", "reference failed", "failed").
+SEQUENCES: List[Dict[str, Any]] = []
 
 
 def note(text: str) -> None:
@@ -137,6 +141,7 @@ def make_machine(inits: tuple = INITS):
         def load(self, tied: bool, placement: List[str]) -> None:
             from transformers import LlamaForCausalLM
 
+            self.started, self.counts = time.monotonic(), dict(STATS)  # for this sequence's own share
             if "disk" not in placement:
                 placement[-1] = "disk"
             self.work = Path(tempfile.mkdtemp(prefix="metapatch-flows-"))
@@ -367,15 +372,32 @@ def make_machine(inits: tuple = INITS):
             if work is None:
                 return
             os.chdir(self.cwd)
+            ended = "failed"  # unless the checks below pass
             try:
                 assert _digests(self.checkpoint) == self.hashes, "the checkpoint's files changed"
                 written = sorted(p for p in os.listdir(work) if p not in self.listing)
                 named = [p for p in written if not (p.startswith("offload") or p.startswith("adapter"))]
                 assert not named, f"written outside the named folders: {named}"
+                ended = ("refused" if STATS["refused"] > self.counts["refused"] else "reference failed"
+                         if STATS["reference_failed"] > self.counts["reference_failed"] else "ran")
             finally:
                 shutil.rmtree(work, ignore_errors=True)
+                SEQUENCES.append({"seconds": time.monotonic() - self.started, "ended": ended,
+                                  "steps": STATS["steps"] - self.counts["steps"]})
 
     return FlowMachine
+
+
+def sequence_lines(sequences: List[Dict[str, Any]]) -> List[str]:
+    """One line per sequence (its wall time, steps, how it ended), then their sum, mean and longest."""
+    lines = [f"sequence {n}: {s['seconds']:.1f} s, {s['steps']} steps, {s['ended']}"
+             for n, s in enumerate(sequences, 1)]
+    if sequences:
+        times = [s["seconds"] for s in sequences]
+        longest = max(range(len(times)), key=times.__getitem__) + 1
+        lines.append(f"sequences: {sum(times):.1f} s in all, {sum(times) / len(times):.1f} s each on average, "
+                     f"longest {max(times):.1f} s (sequence {longest})")
+    return lines
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -401,9 +423,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         machine.TestCase("runTest").runTest()
     except BaseException as exc:  # noqa: BLE001 - reported below
         failure = exc
+    for line in sequence_lines(SEQUENCES):
+        print(line)
     print(f"flows: {STATS['sequences']} sequences, {STATS['steps']} steps ({STATS['refused']} refused with "
           f"MetapatchError, {STATS['reference_failed']} where the in-memory model itself raised), "
-          f"{time.monotonic() - started:.0f} s, inits {inits}")
+          f"{time.monotonic() - started:.1f} s in all, inits {inits}")
     if failure is not None:
         for found in getattr(failure, "exceptions", [failure]):  # hypothesis reports distinct failures as a group
             print(f"FOUND: {type(found).__name__}: {found}")

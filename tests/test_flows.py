@@ -27,6 +27,18 @@ def test_flows_ran_steps():
     if _flows.STATS["sequences"] == 0:
         pytest.skip("run together with TestFlowsCI (it fills the counters)")
     assert _flows.STATS["steps"] > 2 * _flows.STATS["sequences"]
+    # every sequence has its wall time (issue 26 item 4), and they add up to what the steps took
+    assert len(_flows.SEQUENCES) == _flows.STATS["sequences"]
+    assert sum(s["steps"] for s in _flows.SEQUENCES) == _flows.STATS["steps"]
+    assert all(s["seconds"] > 0 and s["ended"] in ("ran", "refused", "reference failed") for s in _flows.SEQUENCES)
+
+
+def test_sequence_lines_give_each_wall_time_and_the_total():
+    lines = _flows.sequence_lines([{"seconds": 1.25, "steps": 4, "ended": "ran"},
+                                   {"seconds": 3.5, "steps": 2, "ended": "refused"}])
+    assert lines == ["sequence 1: 1.2 s, 4 steps, ran", "sequence 2: 3.5 s, 2 steps, refused",
+                     "sequences: 4.8 s in all, 2.4 s each on average, longest 3.5 s (sequence 2)"]
+    assert _flows.sequence_lines([]) == []
 
 
 # -- shrunk sequences the long run found, in another area (the PEFT adapter offload store, issue 22 items 1-3) ----

@@ -6,23 +6,33 @@ import argparse
 import json
 import os
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
+from .selftest_schedule import Progress, chains, run_chains  # noqa: F401 - the schedule, part of this command
+
 HELP = ("run the shipped reproducers against the installed versions, each in a subprocess without and "
         "with metapatch, and show whether metapatch fixes them here: by default one scenario per patch (its "
-        "scenarios in order until one decides here: its bug and fix shown, or a pass where the install is not affected), two at a time; --all runs every scenario (exit 0 "
+        "representative first, then its others in order until one decides here: its bug and fix shown, or a "
+        "pass where the install is not affected), two runs at a time; --all runs every scenario (exit 0 "
         "only when every scenario run passes with metapatch; scenarios that do not apply to the installed "
         "versions are reported n/a and do not change the exit code)")
 
 EPILOG = """selection:
-  (default)        one scenario per patch: its scenarios in order until one decides here (not n/a,
-                   not skipped, not "not reproduced"), so every patch's bug and fix is reproduced on
-                   this install where a scenario shows it
+  (default)        one scenario per patch: its representative (the cheapest that shows the bug and
+                   the fix on the releases it was measured on) first, then its other scenarios in
+                   order until one decides here (not n/a, not skipped, not "not reproduced"), so every
+                   patch's bug and fix is reproduced on this install where a scenario shows it
   --all            every scenario (what CI runs); --include-slow adds the test suite's slow variants
   --patch/--scenario  exactly the scenarios named
+
+speed:
+  each run is a fork of a warm parent that imported metapatch and then torch, transformers,
+  accelerate, peft and bitsandbytes once (one parent without metapatch, one with it), in the order a
+  fresh interpreter imports them; METAPATCH_SELFTEST_PRELOAD=0 keeps the parents to torch,
+  METAPATCH_SELFTEST_FORK=0 starts a fresh interpreter per run. --json gives seconds and cpu_seconds
+  (user + system, subprocesses included) per run: a busy machine stretches the first, not the second
 
 verdicts:
   fixed            affected install: fails without metapatch, passes with it
@@ -50,6 +60,7 @@ class Row:
     verdict: str = ""
     ok: bool = True
     seconds: float = 0.0
+    cpu_seconds: Optional[float] = None  # both runs' CPU time (None where unknown): what a quiet machine needs
     not_applicable: Optional[str] = None  # why the scenario does not apply here (verdict "n/a (...)")
 
 
@@ -65,7 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--include-slow", action="store_true",
                         help="also run the slow variants the test suite runs (in_selftest=False); implies --all")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), metavar="N",
-                        help="scenarios run at once, each its own pair of subprocesses (default: 2, or 1 on one core)")
+                        help="runs at once (a scenario is two runs, without and with metapatch, which may go "
+                             "out together; default: 2, or 1 on one core)")
     parser.add_argument("--timeout", type=float, default=300, metavar="SECONDS",
                         help="per run (default 300)")
 
@@ -87,6 +99,7 @@ def _outcome_summary(outcome: Any, patch_id: str) -> Dict[str, Any]:
         "max_abs_diff": outcome.metrics.get("max_abs_diff"),
         "metrics": outcome.metrics,
         "seconds": round(outcome.seconds, 2),
+        "cpu_seconds": outcome.cpu_seconds,
         "patch_state": outcome.states.get(patch_id),
         "traceback_tail": outcome.traceback[-1500:] if not outcome.passed else "",
         "not_applicable": outcome.not_applicable,
@@ -137,9 +150,9 @@ def _missing_package(outcome: Any) -> bool:
     return bool(name) and "." not in name
 
 
-def run_one(scenario: Any, registry: Any, timeout: float) -> Row:
-    from metapatch.selftest import run_scenario
-
+def start_row(scenario: Any, registry: Any) -> Row:
+    """The row of ``scenario`` before any run: its gate; verdict "skipped" already where a distribution
+    its patch needs is not installed (then nothing is run)."""
     patch = registry.patches.get(scenario.patch_id)
     if patch is not None:
         affected, reason, installed, _ = registry.gate(patch)
@@ -149,19 +162,36 @@ def run_one(scenario: Any, registry: Any, timeout: float) -> Row:
               scenario.expected_error)
     if patch is not None and not affected and _missing_distribution(reason):
         row.verdict, row.ok = "skipped", True
+    return row
+
+
+def finish_row(row: Row, unpatched: Any, patched: Optional[Any], seconds: float) -> Row:
+    """Judge ``row`` from its runs. A patched run made while the unpatched one said n/a is dropped:
+    applicability does not depend on metapatch, so it is not needed (and not shown)."""
+    row.unpatched = _outcome_summary(unpatched, row.patch_id)
+    row.patched = None
+    if unpatched.not_applicable is None and patched is not None:
+        row.patched = _outcome_summary(patched, row.patch_id)
+    row.seconds = round(seconds, 2)
+    cpu = [r.get("cpu_seconds") for r in (row.unpatched, row.patched) if r]
+    row.cpu_seconds = round(sum(cpu), 2) if cpu and None not in cpu else None
+    if row.patched is not None and _missing_package(patched):
+        row.verdict, row.ok = "skipped", True  # an optional package the scenario imports is missing
+        return row
+    return judge(row)
+
+
+def run_one(scenario: Any, registry: Any, timeout: float) -> Row:
+    """One scenario, its two runs one after the other (the unpatched one first)."""
+    from metapatch.selftest import run_scenario
+
+    row = start_row(scenario, registry)
+    if row.verdict == "skipped":
         return row
     started = time.perf_counter()
     unpatched = run_scenario(scenario, patched=False, timeout=timeout)
-    row.unpatched = _outcome_summary(unpatched, scenario.patch_id)
-    if unpatched.not_applicable is None:
-        patched = run_scenario(scenario, patched=True, timeout=timeout)
-        row.patched = _outcome_summary(patched, scenario.patch_id)
-        if _missing_package(patched):
-            row.seconds = round(time.perf_counter() - started, 2)
-            row.verdict, row.ok = "skipped", True  # an optional package the scenario imports is missing
-            return row
-    row.seconds = round(time.perf_counter() - started, 2)
-    return judge(row)
+    patched = run_scenario(scenario, patched=True, timeout=timeout) if unpatched.not_applicable is None else None
+    return finish_row(row, unpatched, patched, time.perf_counter() - started)
 
 
 # -- output --------------------------------------------------------------------------------------
@@ -239,80 +269,6 @@ def exit_code(rows: Sequence[Row]) -> int:
     return 0 if all(r.ok for r in rows) else 1
 
 
-def _decisive(row: Row) -> bool:
-    """A row that shows this install's behaviour: a scenario that could not run here (n/a, a missing
-    package) says nothing, and one whose bug did not show on this machine ("not reproduced") proves
-    the fix on nothing, so the quick run goes on to the patch's next scenario."""
-    return not row.not_applicable and row.verdict not in ("skipped", "not reproduced")
-
-
-def chains(scenarios: Sequence[Any], quick: bool) -> List[List[Any]]:
-    """Units of work for the lanes. Quick: one chain per patch (its scenarios in declared order, run
-    until one is decisive); otherwise every scenario is its own chain and always runs."""
-    if not quick:
-        return [[s] for s in scenarios]
-    by_patch: Dict[str, List[Any]] = {}
-    for scenario in scenarios:
-        by_patch.setdefault(scenario.patch_id, []).append(scenario)
-    return list(by_patch.values())
-
-
-class Progress:
-    """One line per finished chain on stderr: how many are done, and an estimate of the time left
-    from the mean chain time so far, divided over the lanes."""
-
-    def __init__(self, total: int, jobs: int, enabled: bool) -> None:
-        self.total, self.jobs, self.enabled = total, jobs, enabled
-        self.done, self.busy, self.started = 0, 0.0, time.perf_counter()
-
-    def finished(self, rows: Sequence[Row], seconds: float) -> None:
-        self.done += 1
-        self.busy += seconds
-        if not self.enabled:
-            return
-        left = self.total - self.done
-        estimate = self.busy / self.done * left / self.jobs
-        last = rows[-1]
-        tail = f", about {estimate:.0f} s left" if left else ""
-        print(f"[{self.done}/{self.total}] {last.scenario}: {last.verdict} ({seconds:.0f} s; "
-              f"{time.perf_counter() - self.started:.0f} s so far{tail})", file=sys.stderr, flush=True)
-
-
-def run_chains(work: List[List[Any]], quick: bool, jobs: int, registry: Any, timeout: float,
-               on_row: Any, progress: Progress) -> List[Row]:
-    """Run the chains on ``jobs`` threads (each with its own warm parent); rows come back in the
-    order the scenarios were given, whatever order they finished in."""
-    order = {s.key: n for n, chain in enumerate(work) for s in chain}
-    rows: List[Row] = []
-    lock = threading.Lock()
-    pending = list(enumerate(work))
-
-    def lane() -> None:
-        while True:
-            with lock:
-                if not pending:
-                    return
-                _, chain = pending.pop(0)
-            started, done = time.perf_counter(), []
-            for scenario in chain:
-                row = run_one(scenario, registry, timeout)
-                done.append(row)
-                with lock:
-                    rows.append(row)
-                    on_row(row)
-                if quick and _decisive(row):
-                    break
-            with lock:
-                progress.finished(done, time.perf_counter() - started)
-
-    threads = [threading.Thread(target=lane, daemon=True) for _ in range(max(1, min(jobs, len(work))))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return sorted(rows, key=lambda r: (order[r.scenario], r.scenario))
-
-
 def run(args: argparse.Namespace) -> int:
     import metapatch
     from metapatch.selftest import all_scenarios
@@ -331,7 +287,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.json:
         what = (f"one scenario per patch ({len(work)} patches, {len(scenarios)} scenarios in all; --all runs every one)"
                 if quick else f"{len(scenarios)} scenarios")
-        print(f"metapatch selftest: {what}, {jobs} at a time", file=sys.stderr, flush=True)
+        print(f"metapatch selftest: {what}, {jobs} runs at a time; progress here, on stderr", file=sys.stderr,
+              flush=True)
         print(format_line([c.upper() for c in COLUMNS]), flush=True)
 
     def on_row(row: Row) -> None:
@@ -340,6 +297,17 @@ def run(args: argparse.Namespace) -> int:
             for line in format_details(row):
                 print(line, flush=True)
 
+    from metapatch.selftest._harness import warm_up
+
+    warming = time.perf_counter()
+    preloaded = warm_up()
+    if preloaded is None:
+        print("metapatch selftest: a fresh interpreter per run (METAPATCH_SELFTEST_FORK=0, or no os.fork)",
+              file=sys.stderr, flush=True)
+    else:
+        imported = ", ".join(["torch", *(["metapatch", *preloaded] if preloaded else [])])
+        print(f"metapatch selftest: warm parents ready in {time.perf_counter() - warming:.0f} s (imported once, "
+              f"forked per run: {imported})", file=sys.stderr, flush=True)
     progress = Progress(len(work), jobs, enabled=True)
     rows = run_chains(work, quick, jobs, metapatch.registry, args.timeout, on_row, progress)
     elapsed = time.perf_counter() - started

@@ -51,5 +51,38 @@ def _not_applicable(exc: BaseException) -> bool:
     return isinstance(exc, NotApplicable)
 
 
+def patch_sites(workdir: Path) -> dict:
+    """A run's view of the patches once the stack is imported (PRELOAD, in this process or in the warm
+    parent it was forked from): each patch's state and notes, each site's holders (every loaded module
+    whose namespace holds the original, i.e. calls that bypass the patch, and the replacement). A
+    forked child must see what a fresh interpreter sees: tests/test_selftest_speed.py compares them."""
+    import importlib.util
+
+    import metapatch
+    from metapatch._sites import namespace
+    from metapatch.selftest._harness import PRELOAD
+
+    for name in PRELOAD:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except ModuleNotFoundError:
+            found = False
+        if found:
+            importlib.import_module(name)
+    modules = [(n, namespace(m)) for n, m in sorted(sys.modules.items()) if m is not None]
+    view = {}
+    for patch_id, status in sorted(metapatch.registry._status.items()):
+        sites = {}
+        for dotted, site in sorted(status.sites.items()):
+            sites[dotted] = {
+                "holds_installed": site.holds_installed(),
+                "original_in": [n for n, ns in modules if any(v is site.original for v in ns.values())],
+                "installed_in": [n for n, ns in modules if any(v is site.installed for v in ns.values())],
+            }
+        view[patch_id] = {"state": str(status.state), "notes": list(status.notes), "sites": sites}
+    return {"patches": view, "modules": sorted(n for n, _ in modules if n.partition(".")[0] in
+                                               ("transformers", "accelerate", "peft", "bitsandbytes"))}
+
+
 if __name__ == "__main__":
     sys.exit(main(*sys.argv[1:4]))

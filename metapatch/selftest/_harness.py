@@ -46,6 +46,10 @@ class Scenario:
     # ``expected_error`` (and ``expected_message``) where its patch's gate says affected, else passes.
     unpatched: Tuple[Expect, ...] = ()
     tolerance: float = 0.0  # the largest max_abs_diff from the in-memory reference that counts as equal
+    # The patch's representative for a bare ``metapatch selftest``, tried before its other scenarios:
+    # the cheapest one that shows the bug and the fix on the releases it was measured on (where it
+    # cannot decide, n/a or not reproduced, the others follow in declared order).
+    quick: bool = False
 
     @property
     def key(self) -> str:
@@ -102,6 +106,9 @@ class Outcome:
     # pass nor a failure; ``passed`` stays False so that code which only reads ``passed`` never
     # mistakes it for a pass.
     not_applicable: Optional[str] = None
+    # CPU seconds of the run's process and the subprocesses it waited for (None where unknown): what a
+    # quiet machine would need, where ``seconds`` is stretched by whatever else runs.
+    cpu_seconds: Optional[float] = None
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -141,104 +148,228 @@ def run_scenario(
     cwd: Optional[str] = None,
     timeout: float = 600,
 ) -> Outcome:
-    """Run one scenario in a fresh interpreter. ``patched=False`` sets METAPATCH_DISABLE=all;
-    ``pythonpath`` entries go first on the child's path (a patched copy of an upstream package)."""
+    """Run one scenario in a process of its own: a child forked from a warm parent (see
+    :func:`_warm_parent`), or a fresh interpreter where ``pythonpath`` is given or forking is off.
+    ``patched=False`` sets METAPATCH_DISABLE=all; ``pythonpath`` entries go first on the child's path
+    (a patched copy of an upstream package). Safe to call from several threads at once."""
     if isinstance(scenario, str):
         scenario = find(scenario)
+    child_env = _child_env(scenario.requires, patched, pythonpath, env)
+    with tempfile.TemporaryDirectory(prefix="metapatch-selftest-") as tmp:
+        result_file = Path(tmp) / "result.json"
+        workdir = Path(tmp) / "work"
+        workdir.mkdir()
+        started = time.perf_counter()
+        warm = None if pythonpath else _warm_parent(child_env, preload=not env)
+        if warm is not None:
+            rc, timed_out, stderr, cpu = warm.run(scenario.function, workdir, result_file, child_env, cwd or tmp, timeout, Path(tmp))
+        else:
+            rc, timed_out, stderr, cpu = _run_fresh(scenario.function, workdir, result_file, child_env, cwd or tmp, timeout)
+        seconds = time.perf_counter() - started
+        if timed_out:
+            return Outcome(scenario.key, patched, False, "TimeoutExpired", f"no result after {timeout} s",
+                           seconds=seconds, stderr_tail=stderr[-4000:], cpu_seconds=cpu)
+        if not result_file.exists():
+            return Outcome(scenario.key, patched, False, "ChildCrashed",
+                           f"exit code {rc}, no result written", seconds=seconds, stderr_tail=stderr[-4000:],
+                           cpu_seconds=cpu)
+        data = json.loads(result_file.read_text())
+    return Outcome(scenario.key, patched, data["passed"], data.get("error_type"), data.get("error"),
+                   data.get("traceback", ""), data.get("metrics", {}), seconds, stderr[-4000:],
+                   data.get("metapatch_status", {}), data.get("not_applicable"), cpu)
+
+
+def _child_env(requires: Mapping[str, str], patched: bool, pythonpath: Sequence[str] = (),
+               env: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
     child_env = dict(os.environ)
     child_env.pop("METAPATCH_DISABLE", None)
     child_env.pop(REQUIRES_ENV, None)
-    if scenario.requires:  # judged in the child, where the upstream copy under test is importable
-        child_env[REQUIRES_ENV] = json.dumps(dict(scenario.requires))
+    if requires:  # judged in the child, where the upstream copy under test is importable
+        child_env[REQUIRES_ENV] = json.dumps(dict(requires))
     if env:
         child_env.update(env)
     if not patched:
         child_env["METAPATCH_DISABLE"] = "all"
     here = str(Path(__file__).resolve().parents[2])  # so the child imports this very metapatch
     child_env["PYTHONPATH"] = os.pathsep.join([*pythonpath, here, child_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    with tempfile.TemporaryDirectory(prefix="metapatch-selftest-") as tmp:
-        result_file = Path(tmp) / "result.json"
-        workdir = Path(tmp) / "work"
-        workdir.mkdir()
-        started = time.perf_counter()
-        warm = None if pythonpath else _warm_parent()
-        if warm is not None:
-            rc, timed_out, stderr = warm.run(scenario.function, workdir, result_file, child_env, cwd or tmp, timeout, Path(tmp))
-        else:
-            rc, timed_out, stderr = _run_fresh(scenario.function, workdir, result_file, child_env, cwd or tmp, timeout)
-        seconds = time.perf_counter() - started
-        if timed_out:
-            return Outcome(scenario.key, patched, False, "TimeoutExpired", f"no result after {timeout} s",
-                           seconds=seconds, stderr_tail=stderr[-4000:])
-        if not result_file.exists():
-            return Outcome(scenario.key, patched, False, "ChildCrashed",
-                           f"exit code {rc}, no result written", seconds=seconds, stderr_tail=stderr[-4000:])
-        data = json.loads(result_file.read_text())
-    return Outcome(scenario.key, patched, data["passed"], data.get("error_type"), data.get("error"),
-                   data.get("traceback", ""), data.get("metrics", {}), seconds, stderr[-4000:],
-                   data.get("metapatch_status", {}), data.get("not_applicable"))
+    return child_env
+
+
+def warm_up() -> Optional[List[str]]:
+    """Start the warm parents of plain runs (without and with metapatch) at once, before the first run
+    needs them, so that no scenario's time includes their start. Returns what the patched runs' parent
+    preloaded ([]: torch only), None where runs start fresh interpreters (no parent)."""
+    found: Dict[bool, Optional[List[str]]] = {}
+
+    def start(patched: bool) -> None:
+        parent = _warm_parent(_child_env({}, patched), preload=True)
+        found[patched] = None if parent is None else list(parent.preloaded)
+
+    threads = [threading.Thread(target=start, args=(patched,)) for patched in (False, True)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return found.get(True)
 
 
 def _run_fresh(function: str, workdir: Path, result_file: Path, env: Mapping[str, str], cwd: str,
-               timeout: float) -> "tuple[int, bool, str]":
-    try:
-        proc = subprocess.run([sys.executable, "-m", "metapatch.selftest._child", function, str(workdir), str(result_file)],
-                              env=dict(env), cwd=cwd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        return -9, True, str(exc.stderr or "")
-    return proc.returncode, False, proc.stderr
+               timeout: float) -> "tuple[int, bool, str, Optional[float]]":
+    log = workdir.parent / "child.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "metapatch.selftest._child", function, str(workdir),
+                                 str(result_file)], env=dict(env), cwd=cwd, stdout=subprocess.DEVNULL, stderr=out)
+    rc, timed_out, cpu = _reap(proc, timeout)
+    return rc, timed_out, log.read_text(errors="replace"), cpu
+
+
+def _reap(proc: "subprocess.Popen", timeout: float) -> "tuple[int, bool, Optional[float]]":
+    """Wait for ``proc`` (killed at the deadline) through wait4, which also gives its CPU time, its own
+    waited-for children included: a busy machine stretches wall time, not CPU time."""
+    if not hasattr(os, "wait4"):
+        try:
+            return proc.wait(timeout=timeout), False, None
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.wait(), True, None
+    deadline, timed_out = time.monotonic() + timeout, False
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            break
+        if time.monotonic() > deadline:
+            proc.kill()
+            _, status, usage = os.wait4(proc.pid, 0)
+            timed_out = True
+            break
+        time.sleep(0.02)
+    proc.returncode = -9 if timed_out else os.waitstatus_to_exitcode(status)
+    return proc.returncode, timed_out, round(usage.ru_utime + usage.ru_stime, 3)
+
+
+# Imported once by a warm parent that serves runs in the selftest's own environment (after
+# ``import metapatch``: see _zygote): what nearly every scenario imports, and what costs a child
+# most of its start-up. A module missing from the install is left out.
+PRELOAD = ("transformers", "transformers.modeling_utils", "transformers.models.llama.modeling_llama",
+           "accelerate", "peft", "bitsandbytes")
 
 
 class _WarmParent:
-    """A long-lived interpreter with torch imported that forks one child per run (see _zygote)."""
+    """A long-lived interpreter that forks one child per run (see _zygote); runs from several
+    threads at once, each request and reply matched by its id."""
 
-    def __init__(self) -> None:
+    def __init__(self, env: Optional[Mapping[str, str]] = None) -> None:
         here = Path(__file__).resolve()
-        env = dict(os.environ, METAPATCH_ZYGOTE_REPO=str(here.parents[2]))
-        env.pop("PYTHONPATH", None)
+        if env is None:  # torch only: serves runs of any environment (each child sets its own)
+            env = dict(os.environ)
+            env.pop("PYTHONPATH", None)
+        else:
+            env = dict(env, METAPATCH_ZYGOTE_PRELOAD=",".join(PRELOAD))
+        env["METAPATCH_ZYGOTE_REPO"] = str(here.parents[2])
         self.proc = subprocess.Popen([sys.executable, str(here.with_name("_zygote.py"))], env=env, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-        if json.loads(self.proc.stdout.readline() or "{}").get("ready") is not True:
-            raise RuntimeError("the warm parent did not start")
-        self.lock = threading.Lock()  # one request/reply at a time on the pipe
+        hello = json.loads(self.proc.stdout.readline() or "{}")
+        if hello.get("ready") is not True:
+            self.close()
+            raise RuntimeError(f"the warm parent did not start: {hello.get('error', 'no answer')}")
+        self.preloaded: List[str] = hello.get("preloaded", [])
+        self.lock = threading.Lock()  # writes, the id counter and the table of pending runs
+        self.pending: Dict[int, list] = {}  # id -> [event, reply]
+        self.next_id = 0
+        threading.Thread(target=self._read, daemon=True).start()
         atexit.register(self.close)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            reply = json.loads(line)
+            with self.lock:
+                slot = self.pending.pop(reply["id"], None)
+            if slot is not None:
+                slot[1] = reply
+                slot[0].set()
+        with self.lock:  # the parent is gone: whoever still waits gets a crash, not a hang
+            orphans, self.pending = list(self.pending.values()), {}
+        for slot in orphans:
+            slot[1] = {"rc": -1, "timed_out": False, "cpu": None}
+            slot[0].set()
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            self.proc.stdin.close()  # the parent's read loop ends, and with it the process
+            try:
+                self.proc.stdin.close()  # the parent's read loop ends, and with it the process
+            except OSError:
+                pass
             try:
                 self.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self.proc.stdout.close()
 
     def run(self, function: str, workdir: Path, result_file: Path, env: Mapping[str, str], cwd: str,
-            timeout: float, tmp: Path) -> "tuple[int, bool, str]":
+            timeout: float, tmp: Path) -> "tuple[int, bool, str, Optional[float]]":
         log = tmp / "child.log"
-        request = {"function": function, "workdir": str(workdir), "result": str(result_file), "env": dict(env),
-                   "cwd": cwd, "timeout": timeout, "log": str(log)}
+        slot: list = [threading.Event(), None]
         with self.lock:
-            self.proc.stdin.write(json.dumps(request) + "\n")
-            self.proc.stdin.flush()
-            reply = json.loads(self.proc.stdout.readline())
-        return reply["rc"], reply["timed_out"], log.read_text(errors="replace") if log.exists() else ""
+            self.next_id += 1
+            request = {"id": self.next_id, "function": function, "workdir": str(workdir),
+                       "result": str(result_file), "env": dict(env), "cwd": cwd, "timeout": timeout,
+                       "log": str(log)}
+            self.pending[self.next_id] = slot
+            try:
+                self.proc.stdin.write(json.dumps(request) + "\n")
+                self.proc.stdin.flush()
+            except OSError:
+                self.pending.pop(self.next_id, None)
+                slot[1] = {"rc": -1, "timed_out": False, "cpu": None}
+                slot[0].set()
+        slot[0].wait()
+        reply = slot[1]
+        return (reply["rc"], reply["timed_out"], log.read_text(errors="replace") if log.exists() else "",
+                reply.get("cpu"))
 
 
-_WARM = threading.local()  # one warm parent per thread: a parent serves one run at a time
+_PARENTS: Dict[Any, Optional[_WarmParent]] = {}  # environment key -> parent (None: it would not start)
+_STARTING: Dict[Any, threading.Lock] = {}  # environment key -> held while its parent starts
+_PARENTS_LOCK = threading.Lock()  # guards both tables; never held while a parent starts
+_MAX_PRELOADED = 4  # distinct environments with a preloaded parent at once (the selftest needs 2)
 
 
-def _warm_parent() -> Optional[_WarmParent]:
-    """This thread's warm parent, or None where forking is off (METAPATCH_SELFTEST_FORK=0), impossible
-    (no os.fork) or broken - then every run starts a fresh interpreter, slower but equivalent. Each
-    thread gets its own parent, so ``metapatch selftest --jobs 2`` runs two scenarios at once."""
+def _warm_parent(env: Mapping[str, str], preload: bool) -> Optional[_WarmParent]:
+    """The warm parent for a run in ``env``, or None where forking is off (METAPATCH_SELFTEST_FORK=0),
+    impossible (no os.fork) or broken - then the run starts a fresh interpreter, slower but equivalent.
+
+    ``preload``: the run is in the selftest's own environment (no caller overrides), so a parent
+    started in exactly that environment (one per environment: patched, unpatched) imports metapatch
+    and then the stack (PRELOAD) once for all its children. Otherwise, or with
+    METAPATCH_SELFTEST_PRELOAD=0, or where such a parent fails to start, one torch-only parent
+    serves every environment. Either kind serves several threads at once; parents of different
+    environments start at the same time."""
     if os.environ.get("METAPATCH_SELFTEST_FORK", "1") == "0" or not hasattr(os, "fork"):
         return None
-    parent = getattr(_WARM, "parent", None)
-    if parent is not None and parent.proc.poll() is None:
+    if preload and os.environ.get("METAPATCH_SELFTEST_PRELOAD", "1") != "0":
+        own = {k: v for k, v in env.items() if k != REQUIRES_ENV}  # read at run time, in the child
+        key = tuple(sorted(own.items()))
+        with _PARENTS_LOCK:
+            room = key in _STARTING or sum(1 for k in _STARTING if k != "torch") < _MAX_PRELOADED
+        parent = _parent(key, own) if room else None
+        if parent is not None:
+            return parent
+    return _parent("torch", None)
+
+
+def _parent(key: Any, env: Optional[Mapping[str, str]]) -> Optional[_WarmParent]:
+    with _PARENTS_LOCK:
+        starting = _STARTING.setdefault(key, threading.Lock())
+    with starting:
+        parent = _PARENTS.get(key, False)
+        if parent is False or (parent is not None and not parent.alive()):
+            try:
+                parent = _WarmParent(env)
+            except Exception:  # noqa: BLE001 - torch missing or the parent failed: fall back, do not fail
+                parent = None
+            with _PARENTS_LOCK:
+                _PARENTS[key] = parent
         return parent
-    try:
-        _WARM.parent = _WarmParent()
-    except Exception:  # noqa: BLE001 - torch missing or the parent failed: fall back, do not fail
-        _WARM.parent = None
-    return _WARM.parent

@@ -1,39 +1,81 @@
-"""A warm parent for scenario runs: it imports torch once, then forks one child per run.
+"""A warm parent for scenario runs: it imports the stack once, then forks one child per run.
 
-Started as a plain script (``python .../_zygote.py``), never as ``-m metapatch...``: importing
-the metapatch package here would install patches in the parent that every child inherits. The
-parent imports torch only: not transformers, accelerate or peft, which would capture functions by
-name before a child's ``import metapatch`` could patch them, exactly what the reproducers must
-not get wrong. Each child sets its environment, imports metapatch fresh and runs
-``metapatch.selftest._child.main``; stdout carries only this protocol (one JSON line per request
-and reply), a child's output goes to a log file.
+Started as a plain script (``python .../_zygote.py``), never as ``-m metapatch...``, with the
+environment of the runs it serves (the harness keeps one parent per environment): the child of a
+fork inherits every module its parent imported, and with them every import-time decision.
+
+Without ``METAPATCH_ZYGOTE_PRELOAD`` the parent imports torch only: no metapatch, no Hugging Face
+package. With it (a comma-separated list of modules), the parent first does ``import metapatch``,
+which installs metapatch's import hooks (or, under ``METAPATCH_DISABLE=all``, stays inert), and only
+then imports the listed modules: the order of a fresh child, which imports metapatch before its
+scenario imports anything. So transformers, accelerate and peft are patched as they execute, exactly
+as in a fresh interpreter, and no module captures an unpatched function by name (that is what a
+parent importing transformers *before* metapatch would get wrong; tests/test_selftest_speed.py
+compares a forked child's patch sites with a fresh interpreter's). A listed module that is not
+installed is left out; one that fails to import makes this parent refuse to start (the harness then
+runs that kind of run in a torch-only parent), as a half-imported package is no clean state.
+
+Several runs at once: each request line names an id, each reply line carries it; the replies go out on
+the process's original stdout, which carries nothing else (what the parent prints goes to stderr, a
+child's output to its log file). A reply gives the child's CPU time (wait4),
+its own waited-for subprocesses included.
 """
 
+import importlib
+import importlib.util
 import json
 import os
+import selectors
 import signal
 import sys
 import time
 
+if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+    del sys.path[0]  # a script's own folder: the scenario modules are no top-level modules of a child
+
 import torch  # noqa: F401 - the point of this process
 
 REPO = os.environ["METAPATCH_ZYGOTE_REPO"]
+# The protocol's own copy of stdout: whatever an import prints (bitsandbytes reports missing kernels)
+# goes to stderr instead, never into a reply.
+PROTOCOL = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
+PRELOAD = [m for m in os.environ.get("METAPATCH_ZYGOTE_PRELOAD", "").split(",") if m]
+
+
+def _preload() -> list:
+    sys.path.insert(0, REPO)
+    import metapatch  # noqa: F401 - first, as in a fresh child: its hooks see every later import
+
+    loaded = []
+    for name in PRELOAD:
+        try:
+            if importlib.util.find_spec(name) is None:
+                continue
+        except ModuleNotFoundError:  # its parent package is not installed
+            continue
+        importlib.import_module(name)
+        loaded.append(name)
+    return loaded
 
 
 def _child(request: dict) -> None:
     log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # the request pipe is the parent's alone
+    os.close(PROTOCOL.fileno())  # so is the reply pipe
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
-    sys.path.insert(0, REPO)
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)
     from metapatch.selftest._child import main
 
     main(request["function"], request["workdir"], request["result"])
 
 
-def _serve(request: dict) -> dict:
+def _fork(request: dict) -> int:
     pid = os.fork()
     if pid == 0:
         code = 0
@@ -45,22 +87,52 @@ def _serve(request: dict) -> dict:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
-    deadline = time.monotonic() + request["timeout"]
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return {"rc": os.waitstatus_to_exitcode(status), "timed_out": False}
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            return {"rc": -9, "timed_out": True}
-        time.sleep(0.02)
+    return pid
+
+
+def _cpu(usage) -> float:
+    return round(usage.ru_utime + usage.ru_stime, 3)
+
+
+def _reply(reply: dict) -> None:
+    PROTOCOL.write(json.dumps(reply) + "\n")
+    PROTOCOL.flush()
 
 
 def main() -> None:
-    print(json.dumps({"ready": True}), flush=True)
-    for line in sys.stdin:
-        print(json.dumps(_serve(json.loads(line))), flush=True)
+    try:
+        loaded = _preload() if PRELOAD else []
+    except BaseException as exc:  # noqa: BLE001 - the harness falls back to a torch-only parent
+        _reply({"ready": False, "error": f"{type(exc).__name__}: {exc}"[:500]})
+        return
+    _reply({"ready": True, "preloaded": loaded})
+    running = {}  # pid -> (request id, deadline)
+    selector = selectors.DefaultSelector()
+    selector.register(sys.stdin.fileno(), selectors.EVENT_READ)
+    buffered, open_input = b"", True
+    while open_input or running:
+        if open_input and selector.select(timeout=0.02 if running else None):
+            chunk = os.read(sys.stdin.fileno(), 65536)
+            if not chunk:  # the harness is gone (or exiting): stop what still runs, then exit
+                open_input = False
+                selector.unregister(sys.stdin.fileno())
+            buffered += chunk
+            while b"\n" in buffered:
+                line, buffered = buffered.split(b"\n", 1)
+                request = json.loads(line)
+                running[_fork(request)] = (request["id"], time.monotonic() + request["timeout"])
+        elif not open_input:
+            time.sleep(0.02)
+        for pid, (rid, deadline) in list(running.items()):
+            done, status, usage = os.wait4(pid, os.WNOHANG)
+            if done:
+                del running[pid]
+                _reply({"id": rid, "rc": os.waitstatus_to_exitcode(status), "timed_out": False, "cpu": _cpu(usage)})
+            elif time.monotonic() > deadline or not open_input:
+                os.kill(pid, signal.SIGKILL)
+                _, _, usage = os.wait4(pid, 0)
+                del running[pid]
+                _reply({"id": rid, "rc": -9, "timed_out": True, "cpu": _cpu(usage)})
 
 
 if __name__ == "__main__":

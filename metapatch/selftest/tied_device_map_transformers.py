@@ -140,7 +140,7 @@ SCENARIOS = [
     Scenario(PATCH_ID, "auto-map-small-budget", f"{__name__}:auto_map_small_budget",
              "from_pretrained(device_map='auto', cpu budget 10% of the model): IndexError in "
              "get_module_size_with_ties", expected_error="IndexError", expected_message="list index out of range",
-             tolerance=LOGITS_TOLERANCE),
+             tolerance=LOGITS_TOLERANCE, quick=True),
     Scenario(PATCH_ID, "explicit-map-split-group", f"{__name__}:explicit_map_splitting_ties",
              "explicit device_map with model.encoder on cpu and the decoder it is tied to on disk",
              expected_error="ValueError", expected_message="weight is on the meta device", in_selftest=False,
