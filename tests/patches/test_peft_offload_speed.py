@@ -14,7 +14,7 @@ import metapatch  # noqa: F401 - first: the patches under test
 from metapatch._adapter_offload import named_modules
 from metapatch._tied_members import _attribute
 from metapatch.selftest._models import save_tiny_llama
-from metapatch.selftest.peft_offload import offload_map
+from metapatch.selftest._peft import offload_map
 
 torch = pytest.importorskip("torch")
 
