@@ -81,7 +81,7 @@ def tests(session, env):
     # working directory never sees another test's files.
     skipped = ([] if env == "latest" else ONCE) + NOT_IN.get(env, [])
     marks = [] if env == "latest" else ["-m", "not slow"]
-    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadfile",
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadfile", "--durations=40",
                 *marks, *[arg for path in skipped for arg in ("--ignore", path)], *session.posargs)
 
 
