@@ -43,7 +43,12 @@ TEST_TOOLS = ["safetensors", "pytest>=8", "pytest-xdist", "hypothesis>=6", "para
 # scenarios on transformers 5.17 / accelerate 1.14) and the 4-bit CPU-repack tests (bitsandbytes is the same
 # release in every pair; the gates run its scenarios on 0.49.2). Elsewhere the tests marked `slow` (upstream
 # diff legs, long variants) are left to the latest pair as well.
-ONCE = ["tests/test_pr_checks.py", "tests/test_series_reproducers.py", "tests/test_diffs_run_real.py",
+#
+# And the standalone upstream reproducers (tests/test_reproducers.py: each `upstream_diffs/<id>/reproducer.py`
+# run as the upstream PR would, 2-3 min a pair): they are written for the PR against upstream's newest
+# release; in every pair the three-way tests run the same scenarios unpatched, patched and with the diff.
+ONCE = ["tests/test_pr_checks.py", "tests/test_series_reproducers.py", "tests/test_reproducers.py",
+        "tests/test_diffs_run_real.py",
         "tests/test_sweep.py", "tests/test_flows.py", "tests/patches/test_fsdp_loading.py",
         "tests/patches/test_bnb_cpu_repack.py"]
 # The public-report corpus (about 3.5 min per environment) runs on the seed and latest pairs; the
@@ -64,9 +69,11 @@ def _interpreter(version: str) -> str:
 
 
 def _install_stack(session, versions):
-    session.install(TORCH)  # first, alone, so nothing else can pick a CUDA build
+    # --no-compile: pip would byte-compile every module of torch, transformers & co. in every session
+    # (tens of seconds each); the tests import a fraction of them, compiled on first import instead.
+    session.install("--no-compile", TORCH)  # first, alone, so nothing else can pick a CUDA build
     pins = {**{d: v for d, v in TESTED["COMMON"].items() if d != "torch"}, **versions}
-    session.install(*(f"{dist}=={ver}" for dist, ver in pins.items()), *TEST_TOOLS)
+    session.install("--no-compile", *(f"{dist}=={ver}" for dist, ver in pins.items()), *TEST_TOOLS)
     session.install("-e", ".")  # with its own dependencies (wrapt, packaging); the stack is pinned above
     session.env["METAPATCH_STRICT"] = "1"
     session.run("python", "-m", "pip", "list", "--format=freeze", silent=False)
