@@ -68,7 +68,7 @@ def backend() -> str:
     return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ["WORLD_SIZE"]) else "gloo"
 
 
-def run_ranks(function: str, workdir: Path, *, world_size: int = 2, timeout: float = 120.0,
+def run_ranks(function: str, workdir: Path, *, world_size: int = 2, timeout: float = 280.0,
               env: Optional[Mapping[str, str]] = None) -> List[Dict[str, Any]]:
     """Run ``function`` as ``world_size`` ranks; one report per rank, in rank order:
     ``{"rank", "ok", "result"}`` or ``{"rank", "ok": False, "error_type", "error", "traceback"}``."""

@@ -18,7 +18,7 @@ from ._ranks import FSDP_ENV, fsdp_accelerator, run_ranks
 PLAIN_BUFFERS = "accelerate-fsdp2-plain-buffers"
 _SEED = 0
 _STEP_TOLERANCE = 1e-5  # FSDP2 averages the two ranks' gradients: a different summation order
-_TIMEOUT = 150
+_TIMEOUT = 280  # a hang guard, under the selftest's 300 s a scenario: two ranks on a loaded 2-core machine took up to ~150 s
 
 
 # -- a persistent buffer that is not a parameter (an MoE gate's e_score_correction_bias) -------------

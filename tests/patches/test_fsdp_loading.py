@@ -62,7 +62,7 @@ def _rank1_fails(rank, world_size, workdir):
 
 
 def test_ranks_form_one_group(tmp_path):
-    reports = run_ranks(f"{__name__}:_sum_of_ranks", tmp_path, timeout=90, env=HERE_ON_PATH)
+    reports = run_ranks(f"{__name__}:_sum_of_ranks", tmp_path, timeout=600, env=HERE_ON_PATH)
     raise_first_error(reports)
     assert [r["rank"] for r in reports] == [0, 1]
     assert [r["result"]["sum"] for r in reports] == [3.0, 3.0]  # 1 + 2, seen by both
@@ -70,7 +70,7 @@ def test_ranks_form_one_group(tmp_path):
 
 
 def test_failing_rank_is_reported_with_its_error(tmp_path):
-    reports = run_ranks(f"{__name__}:_rank1_fails", tmp_path, timeout=90, env=HERE_ON_PATH)
+    reports = run_ranks(f"{__name__}:_rank1_fails", tmp_path, timeout=600, env=HERE_ON_PATH)
     assert reports[1]["ok"] is False and reports[1]["error_type"] == "KeyError"
     assert reports[0]["ok"] is False
     with pytest.raises(Exception) as raised:
