@@ -132,3 +132,21 @@ def test_shrunk_configs_that_used_to_fail_in_memory_build_and_run(class_name, mo
     with torch.no_grad():
         logits = model(torch.randint(0, 100, (1, 8))).logits
     assert logits.shape[:2] == (1, 8) and torch.isfinite(logits).all()
+
+
+def test_a_shrinking_rule_reruns_only_the_architectures_whose_config_it_changes(monkeypatch):
+    pytest.importorskip("transformers")
+    import re
+
+    from metapatch.sweep import shrink
+
+    stamp = sweep.cache_keys()
+    before = {mt: sweep.arch_keys(stamp, mt) for mt in ("llama", "gpt2", "t5")}
+    assert before == {mt: sweep.arch_keys(stamp, mt) for mt in before}  # a key is a function of the config
+    assert len({keys["unpatched"] for keys in before.values()}) == 3
+    assert all(keys["patched"].startswith(keys["unpatched"] + "-") for keys in before.values())
+    # A rule for an attribute only GPT-2's config has (n_positions), ahead of the others.
+    monkeypatch.setattr(shrink, "_COMPILED", [(re.compile(r"^n_positions$"), 96), *shrink._COMPILED])
+    after = {mt: sweep.arch_keys(stamp, mt) for mt in before}
+    assert after["gpt2"] != before["gpt2"]
+    assert after["llama"] == before["llama"] and after["t5"] == before["t5"]

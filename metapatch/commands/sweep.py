@@ -12,7 +12,8 @@ HELP = ("measure: every causal-LM and seq2seq architecture of the installed tran
 
 EPILOG = """One process per architecture and leg (unpatched: METAPATCH_DISABLE=all; patched: metapatch imported
 first). Results are cached per (torch, transformers, accelerate) in ~/.cache/metapatch/sweep
-($METAPATCH_SWEEP_CACHE): a rerun resumes; the patched leg reruns when a patch module changes.
+($METAPATCH_SWEEP_CACHE): a rerun resumes; an architecture reruns when its tiny config (the shrinking
+rules' output) or the harness changes, and its patched leg also when a patch module changes.
 docs/sweep.md is rendered from the cache for every architecture (those not run yet are listed).
 The whole sweep (~230 architectures on transformers 5.24) takes about 2 hours on one CPU core.
 
@@ -58,10 +59,13 @@ def run(args: argparse.Namespace) -> int:
         archs = archs[:args.limit]
     stack = sweep.versions()
     stack_dir = sweep.cache_root() / sweep.stack_name(stack)
-    stamp = sweep.cache_keys()
-    keys = dict(stamp)
+    stamp_all = sweep.cache_keys()
+    shown = archs if args.no_write else everything  # the table covers every architecture, or the selection
+    stamp = {arch: sweep.arch_keys(stamp_all, model_type) for arch, model_type in shown}
+    keys = {arch: dict(arch_stamp) for arch, arch_stamp in stamp.items()}
     if args.stale_ok:
-        keys["patched"] = stamp["patched"].split("-")[0] + "*"  # any metapatch code, this harness
+        for arch_keys in keys.values():  # any metapatch code, this harness and config
+            arch_keys["patched"] = arch_keys["patched"].split("-")[0] + "*"
     if args.rerun:
         for arch, _ in archs:
             for leg in sweep.LEGS:
@@ -69,9 +73,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     runner.run_all(archs, keys, stack_dir, args.timeout, args.jobs,
                    log=lambda line: print(line, file=sys.stderr, flush=True), stamp=stamp)
-    # The table covers every architecture (or the selection when not writing the docs).
-    shown = archs if args.no_write else everything
-    results = {(arch, leg): runner.load(stack_dir, arch, leg, keys[leg]) for arch, _ in shown for leg in sweep.LEGS}
+    results = {(arch, leg): runner.load(stack_dir, arch, leg, keys[arch][leg]) for arch, _ in shown for leg in sweep.LEGS}
     total = sum(r.get("wall_s", 0) for r in results.values() if r)
     summary = render.summarize(shown, results)
     print(render.counts_line(summary))

@@ -58,13 +58,42 @@ def _digest(paths: List[Path]) -> str:
 
 
 def cache_keys() -> Dict[str, str]:
-    """What a cached leg must have been run with: the harness for both legs, and for the patched
-    leg also every module a patch can reach (not the CLI, survey, selftest or report tooling)."""
-    harness = _digest([PACKAGE / name for name in ("child.py", "placements.py", "shrink.py")])
+    """What every cached leg must have been run with: the harness (child and placements) for both legs,
+    and for the patched leg also every module a patch can reach (not the CLI, survey, selftest or report
+    tooling). The shrinking rules enter per architecture, through the config they make
+    (:func:`arch_keys`): a rule that changes one architecture's config reruns that architecture only."""
+    harness = _digest([PACKAGE / name for name in ("child.py", "placements.py")])
     skip = {"sweep", "commands", "survey", "selftest", "reports"}
     patched = [p for p in (REPO / "metapatch").rglob("*.py")
                if p.relative_to(REPO / "metapatch").parts[0] not in skip]
     return {"unpatched": harness, "patched": harness + "-" + _digest(patched)}
+
+
+def config_digest(model_type: str) -> str:
+    """The digest of the tiny config the child builds for ``model_type`` (metapatch.sweep.shrink), or of
+    the error it would fail with: the same config is the same experiment, whatever else the rules say."""
+    import logging
+
+    from transformers import CONFIG_MAPPING
+
+    from metapatch.sweep import shrink
+
+    quiet = logging.getLogger("transformers")
+    level, quiet.level = quiet.level, logging.ERROR  # the default config's own warnings, not ours to show
+    try:
+        text = shrink.tiny_config(CONFIG_MAPPING[model_type]).to_json_string(use_diff=False)
+    except Exception as exc:  # the child fails the same way: its build error is the cached result
+        text = f"{type(exc).__name__}: {exc}"
+    finally:
+        quiet.level = level
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def arch_keys(stamp: Dict[str, str], model_type: str) -> Dict[str, str]:
+    """The per-leg keys of one architecture: ``HARNESS.CONFIG`` and ``HARNESS.CONFIG-CODE``."""
+    harness, _, code = stamp["patched"].partition("-")
+    config = config_digest(model_type)
+    return {"unpatched": f"{harness}.{config}", "patched": f"{harness}.{config}-{code}"}
 
 
 def cache_root() -> Path:

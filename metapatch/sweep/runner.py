@@ -84,13 +84,13 @@ def _clock(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
 
 
-def run_all(archs: List[Tuple[str, str]], keys: Dict[str, str], stack_dir: Path, timeout: float, jobs: int,
-            legs: Tuple[str, ...] = LEGS, log: Callable[[str], None] = print,
-            stamp: Optional[Dict[str, str]] = None) -> float:
-    """Run every (architecture, leg) missing from the cache (``keys`` as for :func:`load`); the new results
-    are stamped with ``stamp`` (default ``keys``). Returns the wall time spent."""
+def run_all(archs: List[Tuple[str, str]], keys: Dict[str, Dict[str, str]], stack_dir: Path, timeout: float,
+            jobs: int, legs: Tuple[str, ...] = LEGS, log: Callable[[str], None] = print,
+            stamp: Optional[Dict[str, Dict[str, str]]] = None) -> float:
+    """Run every (architecture, leg) missing from the cache (``keys[arch][leg]`` as for :func:`load`); the
+    new results are stamped with ``stamp[arch][leg]`` (default ``keys``). Returns the wall time spent."""
     todo = [(arch, model_type, leg) for arch, model_type in archs for leg in legs
-            if load(stack_dir, arch, leg, keys[leg]) is None]
+            if load(stack_dir, arch, leg, keys[arch][leg]) is None]
     cached = len(archs) * len(legs) - len(todo)
     log(f"sweep: {len(archs)} architectures x {len(legs)} legs: {cached} cached, {len(todo)} to run "
         f"({jobs} at a time); results in {stack_dir}")
@@ -99,7 +99,7 @@ def run_all(archs: List[Tuple[str, str]], keys: Dict[str, str], stack_dir: Path,
 
     def one(item: Tuple[str, str, str]) -> Tuple[Tuple[str, str, str], Dict[str, Any]]:
         arch, model_type, leg = item
-        return item, run_leg(arch, model_type, leg, (stamp or keys)[leg], stack_dir, timeout)
+        return item, run_leg(arch, model_type, leg, (stamp or keys)[arch][leg], stack_dir, timeout)
 
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         for (arch, _, leg), result in pool.map(one, todo):
