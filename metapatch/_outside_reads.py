@@ -76,9 +76,10 @@ def _module_api() -> frozenset:
     return frozenset(dir(sys.modules["torch.nn"].Module))
 
 
-def _reads(reader: Any, module: Any, method: str, depth: int, seen: set, out: Dict[int, Tuple[Any, List[str]]]) -> None:
+def _reads(reader: Any, module: Any, method: str, depth: int, seen: set, out: Dict[int, Tuple[Any, List[str]]],
+           called: Optional[Dict[int, Any]] = None) -> None:
     """Collect into ``out`` (id -> (module, tensor names)) what ``module.<method>`` reads of modules other
-    than ``reader``."""
+    than ``reader``, and into ``called`` (id -> module) the other modules whose own methods it calls."""
     key = (id(module), method)
     if key in seen or depth > _DEPTH:
         return
@@ -89,7 +90,7 @@ def _reads(reader: Any, module: Any, method: str, depth: int, seen: set, out: Di
     if not callable(function):
         return
     torch_module = sys.modules["torch.nn"].Module
-    for chain, called in _chains(function):
+    for chain, is_call in _chains(function):
         current = module
         for position, name in enumerate(chain):
             if not isinstance(current, torch_module):
@@ -104,8 +105,13 @@ def _reads(reader: Any, module: Any, method: str, depth: int, seen: set, out: Di
                 current = current._modules[name]
                 continue
             last = position == len(chain) - 1
-            if called and last and name not in ("forward", "__call__") and name not in _module_api():
-                _reads(reader, current, name, depth + 1, seen, out)
+            if is_call and last and name not in ("forward", "__call__") and name not in _module_api():
+                # The method may read its module's own tensors in ways no chain spells (ProphetNet's
+                # position_embeddings._forward is super().forward(...), nn.Embedding's, on its weight):
+                # the whole module stays loaded while the reader runs.
+                if current is not reader and called is not None:
+                    called.setdefault(id(current), current)
+                _reads(reader, current, name, depth + 1, seen, out, called)
             break
 
 
@@ -183,7 +189,8 @@ def install(model: Any) -> List[str]:
             for handle in old.handles:
                 handle.remove()
         out: Dict[int, Tuple[Any, List[str]]] = {}
-        _reads(module, module, "forward", 0, set(), out)
+        called: Dict[int, Any] = {}
+        _reads(module, module, "forward", 0, set(), out, called)
         owners, reads = [], []
         for owner, tensors in out.values():
             meta = sorted({t for t in tensors
@@ -194,9 +201,14 @@ def install(model: Any) -> List[str]:
             holder = _covering_hook_owner(owner, model, names)
             if holder is not None and all(holder is not o for o in owners):
                 owners.append(holder)
+        for callee in called.values():  # served when a hook can load them; never refused on a guess
+            if any(t is not None and t.is_meta for t in (*callee._parameters.values(), *callee._buffers.values())):
+                holder = _covering_hook_owner(callee, model, names)
+                if holder is not None and all(holder is not o for o in owners):
+                    owners.append(holder)
         # A module's own forward meeting its own unloaded weight is the same unservable read.
         reads.extend(_unloaded_own_tensors(module, model, names))
-        if not reads:
+        if not reads and not owners:
             continue
         reader = _Reader(name, owners, reads)
         reader.handles = [module.register_forward_pre_hook(reader.pre),
