@@ -7,7 +7,9 @@ module's own forward (its ``AlignDevicesHook.pre_forward``). Model code that rea
 that forward sees the meta placeholder. Running the hook's ``pre_forward`` before the call and its
 ``post_forward`` after it gives such reads the real weight; ``offload`` is switched off meanwhile so that
 the module's own forward, called during the same call, does not put the weight back on meta half-way.
-A nested use finds ``offload`` already off and does nothing, so wrappers may nest.
+A nested use finds ``offload`` already off and does nothing, so wrappers may nest. A write into a held
+tensor is refused when the block ends (``OffloadedWriteError``): putting the weights back on meta would
+drop it, so the offloaded model would silently differ from the in-memory one.
 
 Nothing here imports accelerate: a process that never imported ``accelerate.hooks`` has no hooks.
 """
@@ -15,26 +17,65 @@ Nothing here imports accelerate: a process that never imported ``accelerate.hook
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, List, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from metapatch._hook_state import offload_hooks  # noqa: F401 - re-exported: patches import it from here
+from metapatch._records import MetapatchError
+
+
+class OffloadedWriteError(MetapatchError, RuntimeError):
+    """A forward wrote a tensor that metapatch held loaded for it; offloading it again would lose the write."""
+
+
+def _signatures(module: Any, hook: Any) -> Dict[str, Tuple[Any, int, Optional[int]]]:
+    """What ``hook`` will put back on meta, as loaded: (tensor, storage pointer, ``_version``). Inference
+    tensors (loaded under ``torch.inference_mode``) keep no version: only a replacement shows there.
+    Quantized tensor classes are left to their library: bitsandbytes repacks 4-bit weights on a first
+    forward, and repacks the reloaded ones the same way on the next, so nothing is lost there."""
+    from metapatch._offload_store import _plain, hook_tensors
+
+    return {name: (tensor, tensor.data_ptr(), None if tensor.is_inference() else tensor._version)
+            for name, tensor in hook_tensors(module, hook) if not tensor.is_meta and _plain(tensor)}
+
+
+def _written(module: Any, hook: Any, before: Dict[str, Tuple[Any, int, Optional[int]]]) -> List[str]:
+    from metapatch._offload_store import hook_tensors
+
+    now = dict(hook_tensors(module, hook))
+    return [name for name, (tensor, pointer, version) in before.items()
+            if now.get(name) is not tensor or tensor.data_ptr() != pointer
+            or (version is not None and tensor._version != version)]
 
 
 @contextlib.contextmanager
 def materialised(*modules: Any) -> Iterator[None]:
-    """Within the block, the weights of every offloaded module in ``modules`` are on their execution device."""
-    held: List[Tuple[Any, Any]] = []
+    """Within the block, the weights of every offloaded module in ``modules`` are on their execution device.
+
+    A tensor written meanwhile (in place, or replaced) raises :class:`OffloadedWriteError` once the block
+    ends: the hook serves its weights map again afterwards, so the write would be lost and the model would
+    silently differ from the in-memory one, where it persists. (A write through ``.data`` bumps no
+    version and is not seen; checking values would copy every held weight on every forward.)"""
+    held: List[Tuple[Any, Any, Dict[str, Tuple[Any, int, Optional[int]]]]] = []
+    written: List[Tuple[Any, str]] = []
     try:
         for module in modules:
             for hook in offload_hooks(module):
                 hook.pre_forward(module)  # load the weights onto the execution device
                 hook.offload = False      # so the module's own forward does not offload them mid-way
-                held.append((module, hook))
+                held.append((module, hook, _signatures(module, hook)))
         yield
+        written = [(module, name) for module, hook, before in held for name in _written(module, hook, before)]
     finally:
-        for module, hook in reversed(held):
+        for module, hook, _ in reversed(held):
             hook.offload = True
             hook.post_forward(module, None)  # back to meta, as after the module's own forward
+    if written:
+        names = ", ".join(f"{type(module).__name__}.{name}" for module, name in written)
+        raise OffloadedWriteError(
+            f"metapatch: {names} (offloaded by accelerate) was written while metapatch held it loaded for a "
+            f"forward that reads it from outside its own module; accelerate serves the offloaded copy again "
+            f"afterwards, so the write would be silently lost and the model would differ from the in-memory one. "
+            f"Keep that module in memory (device_map), or load the model without offloading.")
 
 
 def _attribute(instance: Any, dotted: str) -> Any:

@@ -128,6 +128,13 @@ def _covering_hook_owner(module: Any, root: Any, names: Dict[int, str]) -> Optio
     return None
 
 
+def _add_holder(owners: List[Any], module: Any, root: Any, names: Dict[int, str]) -> None:
+    """Add the module whose hook can load ``module``'s tensors to ``owners``, once (none: nothing to add)."""
+    holder = _covering_hook_owner(module, root, names)
+    if holder is not None and all(holder is not o for o in owners):
+        owners.append(holder)
+
+
 class _Reader:
     """The hooks of one reading module: the modules it keeps materialised while its forward runs, and
     the tensors it reads (checked after materialising: still on meta means nothing could load them)."""
@@ -198,14 +205,10 @@ def install(model: Any) -> List[str]:
             if not meta:
                 continue  # on a device already: the read works without help
             reads.extend((f"{names.get(id(owner), '?')}.{t}", owner, t) for t in meta)
-            holder = _covering_hook_owner(owner, model, names)
-            if holder is not None and all(holder is not o for o in owners):
-                owners.append(holder)
+            _add_holder(owners, owner, model, names)
         for callee in called.values():  # served when a hook can load them; never refused on a guess
             if any(t is not None and t.is_meta for t in (*callee._parameters.values(), *callee._buffers.values())):
-                holder = _covering_hook_owner(callee, model, names)
-                if holder is not None and all(holder is not o for o in owners):
-                    owners.append(holder)
+                _add_holder(owners, callee, model, names)
         # A module's own forward meeting its own unloaded weight is the same unservable read.
         reads.extend(_unloaded_own_tensors(module, model, names))
         if not reads and not owners:

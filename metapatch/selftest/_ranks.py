@@ -68,7 +68,11 @@ def backend() -> str:
     return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ["WORLD_SIZE"]) else "gloo"
 
 
-def run_ranks(function: str, workdir: Path, *, world_size: int = 2, timeout: float = 280.0,
+# A hang guard, under the selftest's 300 s a scenario: two ranks on a loaded 2-core machine took up to ~150 s.
+RANK_TIMEOUT_S = 280.0
+
+
+def run_ranks(function: str, workdir: Path, *, world_size: int = 2, timeout: float = RANK_TIMEOUT_S,
               env: Optional[Mapping[str, str]] = None) -> List[Dict[str, Any]]:
     """Run ``function`` as ``world_size`` ranks; one report per rank, in rank order:
     ``{"rank", "ok", "result"}`` or ``{"rank", "ok": False, "error_type", "error", "traceback"}``."""

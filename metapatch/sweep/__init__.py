@@ -79,13 +79,14 @@ def config_digest(model_type: str) -> str:
     from metapatch.sweep import shrink
 
     quiet = logging.getLogger("transformers")
-    level, quiet.level = quiet.level, logging.ERROR  # the default config's own warnings, not ours to show
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # the default config's own warnings, not ours to show
     try:
         text = shrink.tiny_config(CONFIG_MAPPING[model_type]).to_json_string(use_diff=False)
     except Exception as exc:  # the child fails the same way: its build error is the cached result
         text = f"{type(exc).__name__}: {exc}"
     finally:
-        quiet.level = level
+        quiet.setLevel(level)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

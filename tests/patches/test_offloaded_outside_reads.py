@@ -165,3 +165,57 @@ def test_a_tied_head_beside_an_offloaded_embedding_equals_in_memory(tmp_path):
     ids = torch.randint(4, 200, (1, 8), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(model(ids.to(model.device)).logits, reference(ids).logits)
+
+
+class Scales(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.linspace(0.5, 2.0, 4))
+
+
+class Writer(torch.nn.Module):
+    """A forward that writes a child's parameter it reads: in memory the write persists (the next call
+    computes with it); offloaded, the held copy goes back to meta and the write would be lost."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.scales = Scales()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        out = self.proj(x * self.scales.scale)
+        if self.how == "in place":
+            self.scales.scale.mul_(0.5)
+        else:
+            self.scales.scale = torch.nn.Parameter(self.scales.scale * 0.5)
+        return out
+
+
+@pytest.mark.parametrize("how, mode", [("in place", torch.no_grad), ("replaced", torch.no_grad),
+                                       ("replaced", torch.inference_mode)])
+def test_a_write_into_a_held_tensor_is_refused_not_lost(tmp_path, how, mode):
+    torch.manual_seed(0)
+    x = torch.randn(1, 3, 4)
+    reference = Writer(how).eval()
+    with mode():
+        first, second = reference(x), reference(x)
+    assert not torch.equal(first, second), "the write changes what the next call computes: it matters"
+
+    torch.manual_seed(0)
+    model = Writer(how).eval()
+    accelerate.disk_offload(model, str(tmp_path / "offload"), execution_device="cpu")
+    assert model.__dict__["_metapatch_outside_reads"].owners == [model.scales]
+    with pytest.raises(metapatch.MetapatchError, match=r"Scales\.scale \(offloaded by accelerate\) was written"):
+        with mode():
+            model(x)
+    assert model.scales.scale.is_meta
+    assert model.scales._hf_hook.offload  # offloaded again, as after any forward
+
+
+def test_a_reader_that_writes_nothing_runs_under_inference_mode(tmp_path):
+    model, ids, expected = _model()
+    accelerate.disk_offload(model, str(tmp_path / "offload"), execution_device="cpu")
+    with torch.inference_mode():
+        assert torch.equal(model(ids), expected)
+        assert torch.equal(model(ids), expected)
