@@ -185,6 +185,50 @@ def _unloaded_own_tensors(module: Any, model: Any, names: Dict[int, str]) -> Lis
     return [(f"{prefix}.{n}" if prefix else n, module, n) for n in meta]
 
 
+def hook_split_tensors(model: Any, execution_device: Any, offload: Any, weights_map: Any,
+                       offload_buffers: bool = False, skip_keys: Any = None, tied_params_map: Any = None) -> List[str]:
+    """Give an offload hook to every module whose own tensors a device map offloads under their own keys
+    (``{"model.scale": "disk", "model.layers": "cpu"}``: ZayaModel's top-level parameters). accelerate
+    hooks modules, not tensors, so upstream nothing loads those and they stay on meta. The hook serves the
+    module's direct tensors from the weights map; a sibling the map keeps on a device is kept in CPU
+    memory in front of that map (never in the offload folder), so one hook serves them all. A module with
+    a direct tensor on meta that nothing holds is left alone (:func:`install` refuses its forward).
+    Returns the names of the modules hooked; nothing happens where no such key is offloaded."""
+    from collections.abc import Mapping
+
+    if not isinstance(execution_device, Mapping) or not isinstance(offload, Mapping) or weights_map is None:
+        return []
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+    from accelerate.utils import PrefixedDataset, named_module_tensors
+
+    from metapatch._offload_store import Overlay
+
+    known = getattr(weights_map, "all_keys", None)
+    held = set(known) if known is not None else None
+    hooked = []
+    for name, module in model.named_modules():
+        if name in execution_device or offload_hooks(module):
+            continue  # hooked (or placed) by upstream as a whole
+        prefix = f"{name}." if name else ""
+        own = [key for key in offload if key.startswith(prefix) and "." not in key[len(prefix):] and offload[key]]
+        if not own:
+            continue
+        tensors = dict(named_module_tensors(module, include_buffers=offload_buffers, recurse=False,
+                                            remove_non_persistent=True))
+        served = {t for t in tensors if prefix + t in own and tensors[t].is_meta
+                  and (prefix + t in held if held is not None else prefix + t in weights_map)}
+        if not served or any(tensors[t].is_meta for t in tensors if t not in served):
+            continue
+        kept = {t: tensor.detach().to("cpu", copy=True) for t, tensor in tensors.items() if t not in served}
+        prefixed = PrefixedDataset(weights_map, prefix)
+        hook = AlignDevicesHook(execution_device=execution_device[prefix + sorted(served)[0]], offload=True,
+                                weights_map=Overlay(prefixed, kept) if kept else prefixed,
+                                offload_buffers=offload_buffers, skip_keys=skip_keys, tied_params_map=tied_params_map)
+        add_hook_to_module(module, hook, append=True)  # its init puts the kept siblings on meta too
+        hooked.append(name)
+    return hooked
+
+
 def install(model: Any) -> List[str]:
     """Give every module of ``model`` whose forward reads an offloaded module's tensors the hooks that
     serve those reads; returns the readers' names. Idempotent (a re-dispatch replaces earlier hooks)."""

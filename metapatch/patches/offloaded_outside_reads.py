@@ -45,6 +45,10 @@ def _attach(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     if top and module is not None and _offloads(bound.arguments.get("offload", False)):
         from metapatch import _outside_reads
 
+        get = bound.arguments.get
+        _outside_reads.hook_split_tensors(module, get("execution_device"), get("offload"), get("weights_map"),
+                                          offload_buffers=get("offload_buffers", False), skip_keys=get("skip_keys"),
+                                          tied_params_map=get("tied_params_map"))
         _outside_reads.install(module)
     return result
 

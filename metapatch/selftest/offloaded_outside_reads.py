@@ -147,12 +147,91 @@ def prophetnet_decoder_on_disk(workdir: Path) -> Dict[str, Any]:
     return {"max_abs_diff": 0.0}
 
 
+# ZayaModel's shape (the sweep found it): a base module with parameters of its own beside its children,
+# one of them mapped to disk under its own key, its sibling in memory.
+_SPLIT_MAP = {"model.scale": "disk", "model.bias": "cpu", "model.embed": "cpu", "model.layer": "cpu", "head": "cpu"}
+
+
+def split_classes() -> Any:
+    """(config class, model class) of a model whose base holds tensors of its own beside its children."""
+    import torch
+    from transformers import PretrainedConfig, PreTrainedModel
+    from transformers.modeling_outputs import CausalLMOutput
+
+    class SplitConfig(PretrainedConfig):
+        model_type = "metapatch-split"
+
+        def __init__(self, vocab_size: int = _VOCAB, hidden_size: int = 16, **kwargs: Any):
+            self.vocab_size, self.hidden_size = vocab_size, hidden_size
+            super().__init__(**kwargs)
+
+    class Base(torch.nn.Module):
+        def __init__(self, config: Any) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(config.vocab_size, config.hidden_size)
+            self.scale = torch.nn.Parameter(torch.rand(config.hidden_size) + 0.5)
+            self.bias = torch.nn.Parameter(torch.randn(config.hidden_size))
+            self.layer = torch.nn.Linear(config.hidden_size, config.hidden_size)
+
+        def forward(self, input_ids: Any) -> Any:
+            return self.layer((self.embed(input_ids) + self.bias) * self.scale)
+
+    class SplitModel(PreTrainedModel):
+        config_class = SplitConfig
+        base_model_prefix = "model"
+        _no_split_modules: list = []
+
+        def __init__(self, config: Any) -> None:
+            super().__init__(config)
+            self.model = Base(config)
+            self.head = torch.nn.Linear(config.hidden_size, config.vocab_size)
+            self.post_init()
+
+        def _init_weights(self, module: Any) -> None:
+            pass  # the constructors' random values are the weights
+
+        def forward(self, input_ids: Any = None, **kwargs: Any) -> Any:
+            return CausalLMOutput(logits=self.head(self.model(input_ids)))
+
+    return SplitConfig, SplitModel
+
+
+def own_tensor_mapped_alone(workdir: Path) -> Dict[str, Any]:
+    """A base module's own parameter mapped to disk under its own key, its sibling on cpu: accelerate hooks
+    modules, so nothing loads that parameter and the base's forward computes on the placeholder."""
+    import torch
+
+    config_class, model_class = split_classes()
+    torch.manual_seed(0)
+    reference = model_class(config_class()).eval()
+    reference.save_pretrained(workdir / "ckpt")
+    loaded = model_class.from_pretrained(workdir / "ckpt", device_map=_SPLIT_MAP,
+                                         offload_folder=str(workdir / "offload")).eval()
+    if not loaded.model.scale.is_meta:
+        raise AssertionError("the device map was meant to put model.scale on disk")
+    ids = input_ids(vocab_size=_VOCAB, length=8)
+    with torch.no_grad():
+        got, expected = loaded(input_ids=ids).logits, reference(input_ids=ids).logits
+        again = loaded(input_ids=ids).logits
+    if not (torch.equal(got, expected) and torch.equal(again, expected)):
+        raise AssertionError(f"logits differ: max abs diff {float((got - expected).abs().max())}")
+    if not loaded.model.scale.is_meta:
+        raise AssertionError("the offloaded parameter stayed loaded after the forward")
+    return {"max_abs_diff": 0.0}
+
+
 SCENARIOS = [
     Scenario(PATCH_ID, "prophetnet-decoder-embeddings-on-disk", f"{__name__}:prophetnet_decoder_on_disk",
              "ProphetNetForCausalLM with its decoder's position/ngram embeddings and layer norm on disk: its decoder reads "
              "ngram_embeddings.weight and calls position_embeddings._forward() (super().forward on the embedding's "
              "own weight) outside those modules' forwards; logits equal the in-memory model (unpatched: "
              "RuntimeError 'Tensor on device meta is not on the expected device'). Found by the sweep",
+             expected_error="RuntimeError", expected_message="Tensor on device meta is not on the expected device"),
+    Scenario(PATCH_ID, "own-parameter-mapped-alone-on-disk", f"{__name__}:own_tensor_mapped_alone",
+             "a base module's own parameter mapped to disk under its own key beside a sibling on cpu (ZayaModel's "
+             "input_hidden_states_scale, found by the sweep): accelerate hooks modules, so nothing loads it; logits "
+             "of two forwards equal the in-memory model (unpatched: RuntimeError 'Tensor on device meta is not on "
+             "the expected device')",
              expected_error="RuntimeError", expected_message="Tensor on device meta is not on the expected device"),
     Scenario(PATCH_ID, "remote-code-reads-on-disk", f"{__name__}:remote_code_reads",
              "a remote-code-style model reading embed.weight[pad], embed.weight.device, norm.bias and calling "
