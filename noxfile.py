@@ -47,15 +47,24 @@ TEST_TOOLS = ["safetensors", "pytest>=8", "pytest-xdist", "hypothesis>=6", "para
 # And the standalone upstream reproducers (tests/test_reproducers.py: each `upstream_diffs/<id>/reproducer.py`
 # run as the upstream PR would, 2-3 min a pair): they are written for the PR against upstream's newest
 # release; in every pair the three-way tests run the same scenarios unpatched, patched and with the diff.
+#
+# And the command-line tooling whose tests use one patch's scenarios and do not depend on the pair
+# (selftest/doctor, `metapatch run`, explain, pr pins, the registry, which the framework sessions also
+# run), the upstream suites (accelerate's and peft's own tests with metapatch active: one hunt for silent
+# wrongs, on the newest releases), and the PEFT tuner matrix (six scenarios x unpatched/patched/diff, 4-5
+# min of one worker on the older pairs; test_peft_offload_redispatch.py keeps the PEFT patch's three-way
+# proof in every pair, and the gates run the tuner scenarios unpatched and patched on three more stacks).
+# Measured on the seed pair (junit, eleventh session): these were about 730 of its 3000 worker-seconds;
+# CI had reached 3656 s of its 60 minutes.
 ONCE = ["tests/test_pr_checks.py", "tests/test_series_reproducers.py", "tests/test_reproducers.py",
         "tests/test_diffs_run_real.py",
         "tests/test_sweep.py", "tests/test_flows.py", "tests/patches/test_fsdp_loading.py",
-        "tests/patches/test_bnb_cpu_repack.py"]
+        "tests/patches/test_bnb_cpu_repack.py",
+        "tests/test_cli_selftest_doctor.py", "tests/test_run.py", "tests/test_explain.py", "tests/test_cli_pr_pins.py",
+        "tests/test_registry.py", "tests/test_upstream_suites.py", "tests/patches/test_peft_offload_redispatch_tuners.py"]
 # The public-report corpus (about 3.5 min per environment) runs on the seed and latest pairs; the
-# Gemma 4 integration pair (5.7) adds nothing to it that those two do not cover. Nor to the upstream
-# suites: accelerate's and peft's own tests, which it would run on the same accelerate (1.13) and peft
-# releases as the seed pair.
-NOT_IN = {"gemma4-int": ["tests/reports", "tests/test_upstream_suites.py"]}
+# Gemma 4 integration pair (5.7) adds nothing to it that those two do not cover.
+NOT_IN = {"gemma4-int": ["tests/reports"]}
 
 
 def _interpreter(version: str) -> str:
