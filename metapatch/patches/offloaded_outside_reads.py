@@ -43,12 +43,13 @@ def _attach(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         _depth.value -= 1
     module = bound.arguments.get("module")
     if top and module is not None and _offloads(bound.arguments.get("offload", False)):
-        from metapatch import _outside_reads
+        from metapatch import _missing_offloaded, _outside_reads
 
         get = bound.arguments.get
         _outside_reads.hook_split_tensors(module, get("execution_device"), get("offload"), get("weights_map"),
                                           offload_buffers=get("offload_buffers", False), skip_keys=get("skip_keys"),
                                           tied_params_map=get("tied_params_map"))
+        _missing_offloaded.serve_missing(module)
         _outside_reads.install(module)
     return result
 

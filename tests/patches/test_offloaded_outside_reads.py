@@ -26,7 +26,14 @@ def test_affected_on_every_supported_accelerate():
 class TestThreeWay(ThreeWayCase):
     patch_ids = (PATCH_ID,)
     names = {PATCH_ID: {"remote-code-reads-on-disk", "prophetnet-decoder-embeddings-on-disk",
-                        "own-parameter-mapped-alone-on-disk"}}
+                        "own-parameter-mapped-alone-on-disk", "never-saved-table-on-disk"}}
+
+    def diff_skip(self, scenario):
+        if scenario.name == "never-saved-table-on-disk":
+            # accelerate cannot compute a value no checkpoint holds; the fix belongs in transformers'
+            # disk offload (index the never-saved tensors it initialises), a diff not written yet
+            return "its upstream fix belongs in transformers (the accelerate diff cannot serve it): not written yet"
+        return super().diff_skip(scenario)
 
 
 EMBEDDING_PATCHES = "gemma4-offloaded-embeddings,diffusion-gemma-offloaded-embeddings"
