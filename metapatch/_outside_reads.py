@@ -19,6 +19,10 @@ load it from raises a MetapatchError naming the reader and the tensor; so does a
 would run on its own unloaded parameters (a map that split a module's parameters across devices:
 accelerate hooks modules, so a parameter key on disk beside a sibling elsewhere is never loaded, and the
 forward computes on the placeholder). Reads the source does not spell as ``self.<chain>`` (``getattr``, a module passed to a helper) are not found: they fail as before.
+
+:func:`hook_split_tensors`, run first at the same dispatch, serves the other way a module's own tensors go
+unloaded: a map that offloads them under their own keys (ZayaModel's top-level parameters) names no module
+for accelerate to hook, so such a module gets an offload hook for its direct tensors.
 """
 
 from __future__ import annotations
@@ -205,14 +209,16 @@ def hook_split_tensors(model: Any, execution_device: Any, offload: Any, weights_
 
     known = getattr(weights_map, "all_keys", None)
     held = set(known) if known is not None else None
+    by_parent: Dict[str, set] = {}  # offloaded map keys by the module path they sit under
+    for key, offloaded in offload.items():
+        if offloaded:
+            by_parent.setdefault(key.rpartition(".")[0], set()).add(key)
     hooked = []
     for name, module in model.named_modules():
-        if name in execution_device or offload_hooks(module):
-            continue  # hooked (or placed) by upstream as a whole
+        own = by_parent.get(name)
+        if not own or name in execution_device or offload_hooks(module):
+            continue  # no key of its own offloaded, or hooked (or placed) by upstream as a whole
         prefix = f"{name}." if name else ""
-        own = [key for key in offload if key.startswith(prefix) and "." not in key[len(prefix):] and offload[key]]
-        if not own:
-            continue
         tensors = dict(named_module_tensors(module, include_buffers=offload_buffers, recurse=False,
                                             remove_non_persistent=True))
         served = {t for t in tensors if prefix + t in own and tensors[t].is_meta

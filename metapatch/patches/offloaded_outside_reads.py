@@ -9,8 +9,12 @@ The mechanism (metapatch._outside_reads) runs once per dispatch: when accelerate
 ``attach_align_device_hook_on_blocks`` (``dispatch_model``, so ``from_pretrained(device_map=...)``,
 ``load_checkpoint_and_dispatch``, PEFT's re-dispatch) or ``attach_align_device_hook`` (``cpu_offload``,
 ``disk_offload``) has attached offload hooks, the forward source of every module class is read once for
-such reads, and only the modules that make them get a pre/post forward hook. Nothing changes where
-nothing is offloaded (the call goes straight through).
+such reads, and only the modules that make them get a pre/post forward hook. Two neighbours of the same
+bug class are served at the same point, before the reads are looked for: a module's own tensors that the
+map offloads under their own keys get an offload hook (accelerate hooks only the modules a map names:
+ZayaModel's top-level parameters), and a never-saved tensor on disk, which no offload index holds, gets
+its value from the model's own deterministic init (metapatch._missing_offloaded: MarianMT's sinusoidal
+table). Nothing changes where nothing is offloaded (the call goes straight through).
 """
 
 from __future__ import annotations
