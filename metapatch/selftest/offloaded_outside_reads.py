@@ -77,16 +77,24 @@ def reader_classes() -> Any:
     return ReaderConfig, ReaderModel
 
 
+def _reference_and_offloaded(classes: Any, workdir: Path, device_map: Dict[str, str]) -> Any:
+    """(the random in-memory model, the same checkpoint loaded with ``device_map`` and an offload folder)."""
+    import torch
+
+    config_class, model_class = classes
+    torch.manual_seed(0)
+    reference = model_class(config_class()).eval()
+    reference.save_pretrained(workdir / "ckpt")
+    loaded = model_class.from_pretrained(workdir / "ckpt", device_map=device_map,
+                                         offload_folder=str(workdir / "offload")).eval()
+    return reference, loaded
+
+
 def remote_code_reads(workdir: Path) -> Dict[str, Any]:
     """ReaderModel with embed, experts and norm on disk: every read outside the owner's forward."""
     import torch
 
-    config_class, model_class = reader_classes()
-    torch.manual_seed(0)
-    reference = model_class(config_class()).eval()
-    reference.save_pretrained(workdir / "ckpt")
-    loaded = model_class.from_pretrained(workdir / "ckpt", device_map=_DEVICE_MAP,
-                                         offload_folder=str(workdir / "offload")).eval()
+    reference, loaded = _reference_and_offloaded(reader_classes(), workdir, _DEVICE_MAP)
     if not (loaded.embed.weight.is_meta and loaded.experts.weight.is_meta):
         raise AssertionError("the device map was meant to put embed and experts on disk")
     ids = input_ids(vocab_size=_VOCAB, length=8)
@@ -201,12 +209,7 @@ def own_tensor_mapped_alone(workdir: Path) -> Dict[str, Any]:
     modules, so nothing loads that parameter and the base's forward computes on the placeholder."""
     import torch
 
-    config_class, model_class = split_classes()
-    torch.manual_seed(0)
-    reference = model_class(config_class()).eval()
-    reference.save_pretrained(workdir / "ckpt")
-    loaded = model_class.from_pretrained(workdir / "ckpt", device_map=_SPLIT_MAP,
-                                         offload_folder=str(workdir / "offload")).eval()
+    reference, loaded = _reference_and_offloaded(split_classes(), workdir, _SPLIT_MAP)
     if not loaded.model.scale.is_meta:
         raise AssertionError("the device map was meant to put model.scale on disk")
     ids = input_ids(vocab_size=_VOCAB, length=8)
