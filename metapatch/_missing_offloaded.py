@@ -19,22 +19,9 @@ upstream leaves it: a copy of the in-memory model would hold another random draw
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
-from metapatch._hook_state import offload_hooks
-
-
-def _key_lookup(weights_map: Any, cache: Dict[int, Optional[set]]) -> Optional[Tuple[str, set]]:
-    """(prefix, keys of the underlying map), read without loading a tensor (the keys cached per map:
-    every hook of a model shares one loader); None when the map cannot tell."""
-    prefix = ""
-    while type(weights_map).__name__ == "PrefixedDataset":
-        prefix, weights_map = prefix + weights_map.prefix, weights_map.dataset
-    if id(weights_map) not in cache:
-        keys = getattr(weights_map, "all_keys", None)
-        cache[id(weights_map)] = set(keys) if keys is not None else None
-    keys = cache[id(weights_map)]
-    return None if keys is None else (prefix, keys)
+from metapatch._hook_state import holds, offload_hooks
 
 
 def _initial_value(root: Any, module: Any, name: str, like: Any) -> Optional[Any]:
@@ -64,25 +51,24 @@ def _initial_value(root: Any, module: Any, name: str, like: Any) -> Optional[Any
     return draws[0]
 
 
-def serve_missing(model: Any) -> List[str]:
+def serve_missing(model: Any, modules: Optional[List[Tuple[str, Any]]] = None) -> List[str]:
     """Keep, for every offload hook of ``model``, the computed value of each tensor its weights map lacks
-    (see the module docstring); returns their qualified names."""
+    (see the module docstring); returns their qualified names. ``modules``: ``model.named_modules()`` as a
+    list, when the caller walks it for other passes too."""
     from metapatch._offload_store import hook_tensors, keep
 
     never_saved = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
     if not never_saved:
         return []
     served: List[str] = []
-    cache: Dict[int, Optional[set]] = {}
-    for prefix, module in model.named_modules():
+    for prefix, module in modules if modules is not None else model.named_modules():
         for hook in offload_hooks(module):
-            lookup = _key_lookup(hook.weights_map, cache) if hook.weights_map is not None else None
-            if lookup is None:
+            if hook.weights_map is None:
                 continue
-            key_prefix, keys = lookup
             for name, tensor in hook_tensors(module, hook):
                 qualified = f"{prefix}.{name}" if prefix else name
-                if key_prefix + name in keys or not tensor.is_meta or qualified not in never_saved:
+                # (a store metapatch cannot look into is trusted to hold it: nothing is computed then)
+                if not tensor.is_meta or qualified not in never_saved or holds(hook.weights_map, name):
                     continue
                 owner_name, _, local = name.rpartition(".")
                 owner = module.get_submodule(owner_name) if owner_name else module

@@ -27,23 +27,41 @@ class OffloadedWriteError(MetapatchError, RuntimeError):
     """A forward wrote a tensor that metapatch held loaded for it; offloading it again would lose the write."""
 
 
-def _signatures(module: Any, hook: Any) -> Dict[str, Tuple[Any, int, Optional[int]]]:
-    """What ``hook`` will put back on meta, as loaded: (tensor, storage pointer, ``_version``). Inference
-    tensors (loaded under ``torch.inference_mode``) keep no version: only a replacement shows there.
-    Quantized tensor classes are left to their library: bitsandbytes repacks 4-bit weights on a first
-    forward, and repacks the reloaded ones the same way on the next, so nothing is lost there."""
+# The owner's path and module, the local name, the tensor, its storage pointer and version.
+_Signature = Tuple[str, Any, str, Any, int, Optional[int]]
+
+
+def _signatures(module: Any, hook: Any) -> Dict[str, _Signature]:
+    """What ``hook`` will put back on meta, as loaded: its owning module and local name (so that the check
+    after the block looks each one up directly instead of walking the module again), the tensor, its
+    storage pointer and ``_version``. Inference tensors (loaded under ``torch.inference_mode``) keep no
+    version: only a replacement shows there. Quantized tensor classes are left to their library:
+    bitsandbytes repacks 4-bit weights on a first forward, and repacks the reloaded ones the same way on
+    the next, so nothing is lost there."""
     from metapatch._offload_store import _plain, hook_tensors
 
-    return {name: (tensor, tensor.data_ptr(), None if tensor.is_inference() else tensor._version)
-            for name, tensor in hook_tensors(module, hook) if not tensor.is_meta and _plain(tensor)}
+    signatures = {}
+    for name, tensor in hook_tensors(module, hook):
+        if tensor.is_meta or not _plain(tensor):
+            continue
+        path, _, local = name.rpartition(".")
+        signatures[name] = (path, module.get_submodule(path) if path else module, local, tensor, tensor.data_ptr(),
+                            None if tensor.is_inference() else tensor._version)
+    return signatures
 
 
-def _written(module: Any, hook: Any, before: Dict[str, Tuple[Any, int, Optional[int]]]) -> List[str]:
-    from metapatch._offload_store import hook_tensors
+def _current(module: Any, path: str, owner: Any, local: str) -> Any:
+    try:
+        if path and module.get_submodule(path) is not owner:
+            return None  # the owning submodule itself was replaced
+    except AttributeError:
+        return None  # or removed
+    return owner._parameters[local] if local in owner._parameters else owner._buffers.get(local)
 
-    now = dict(hook_tensors(module, hook))
-    return [name for name, (tensor, pointer, version) in before.items()
-            if now.get(name) is not tensor or tensor.data_ptr() != pointer
+
+def _written(module: Any, before: Dict[str, _Signature]) -> List[str]:
+    return [name for name, (path, owner, local, tensor, pointer, version) in before.items()
+            if _current(module, path, owner, local) is not tensor or tensor.data_ptr() != pointer
             or (version is not None and tensor._version != version)]
 
 
@@ -55,7 +73,7 @@ def materialised(*modules: Any) -> Iterator[None]:
     ends: the hook serves its weights map again afterwards, so the write would be lost and the model would
     silently differ from the in-memory one, where it persists. (A write through ``.data`` bumps no
     version and is not seen; checking values would copy every held weight on every forward.)"""
-    held: List[Tuple[Any, Any, Dict[str, Tuple[Any, int, Optional[int]]]]] = []
+    held: List[Tuple[Any, Any, Dict[str, _Signature]]] = []
     written: List[Tuple[Any, str]] = []
     try:
         for module in modules:
@@ -64,7 +82,7 @@ def materialised(*modules: Any) -> Iterator[None]:
                 hook.offload = False      # so the module's own forward does not offload them mid-way
                 held.append((module, hook, _signatures(module, hook)))
         yield
-        written = [(module, name) for module, hook, before in held for name in _written(module, hook, before)]
+        written = [(module, name) for module, hook, before in held for name in _written(module, before)]
     finally:
         for module, hook, _ in reversed(held):
             hook.offload = True

@@ -35,6 +35,7 @@ import sys
 import textwrap
 from typing import Any, Dict, List, Optional, Tuple
 
+from metapatch._hook_state import holds
 from metapatch._offloaded_weights import materialised, offload_hooks
 from metapatch._records import MetapatchError
 
@@ -190,14 +191,16 @@ def _unloaded_own_tensors(module: Any, model: Any, names: Dict[int, str]) -> Lis
 
 
 def hook_split_tensors(model: Any, execution_device: Any, offload: Any, weights_map: Any,
-                       offload_buffers: bool = False, skip_keys: Any = None, tied_params_map: Any = None) -> List[str]:
+                       offload_buffers: bool = False, skip_keys: Any = None, tied_params_map: Any = None,
+                       modules: Optional[List[Tuple[str, Any]]] = None) -> List[str]:
     """Give an offload hook to every module whose own tensors a device map offloads under their own keys
     (``{"model.scale": "disk", "model.layers": "cpu"}``: ZayaModel's top-level parameters). accelerate
     hooks modules, not tensors, so upstream nothing loads those and they stay on meta. The hook serves the
     module's direct tensors from the weights map; a sibling the map keeps on a device is kept in CPU
     memory in front of that map (never in the offload folder), so one hook serves them all. A module with
     a direct tensor on meta that nothing holds is left alone (:func:`install` refuses its forward).
-    Returns the names of the modules hooked; nothing happens where no such key is offloaded."""
+    Returns the names of the modules hooked; nothing happens where no such key is offloaded. ``modules``:
+    ``model.named_modules()`` as a list, when the caller walks it for other passes too."""
     from collections.abc import Mapping
 
     if not isinstance(execution_device, Mapping) or not isinstance(offload, Mapping) or weights_map is None:
@@ -207,22 +210,19 @@ def hook_split_tensors(model: Any, execution_device: Any, offload: Any, weights_
 
     from metapatch._offload_store import Overlay
 
-    known = getattr(weights_map, "all_keys", None)
-    held = set(known) if known is not None else None
     by_parent: Dict[str, set] = {}  # offloaded map keys by the module path they sit under
     for key, offloaded in offload.items():
         if offloaded:
             by_parent.setdefault(key.rpartition(".")[0], set()).add(key)
     hooked = []
-    for name, module in model.named_modules():
+    for name, module in modules if modules is not None else model.named_modules():
         own = by_parent.get(name)
         if not own or name in execution_device or offload_hooks(module):
             continue  # no key of its own offloaded, or hooked (or placed) by upstream as a whole
         prefix = f"{name}." if name else ""
         tensors = dict(named_module_tensors(module, include_buffers=offload_buffers, recurse=False,
                                             remove_non_persistent=True))
-        served = {t for t in tensors if prefix + t in own and tensors[t].is_meta
-                  and (prefix + t in held if held is not None else prefix + t in weights_map)}
+        served = {t for t in tensors if prefix + t in own and tensors[t].is_meta and holds(weights_map, prefix + t)}
         if not served or any(tensors[t].is_meta for t in tensors if t not in served):
             continue
         kept = {t: tensor.detach().to("cpu", copy=True) for t, tensor in tensors.items() if t not in served}
@@ -235,12 +235,14 @@ def hook_split_tensors(model: Any, execution_device: Any, offload: Any, weights_
     return hooked
 
 
-def install(model: Any) -> List[str]:
+def install(model: Any, modules: Optional[List[Tuple[str, Any]]] = None) -> List[str]:
     """Give every module of ``model`` whose forward reads an offloaded module's tensors the hooks that
-    serve those reads; returns the readers' names. Idempotent (a re-dispatch replaces earlier hooks)."""
-    names = {id(module): name for name, module in model.named_modules()}
+    serve those reads; returns the readers' names. Idempotent (a re-dispatch replaces earlier hooks).
+    ``modules``: ``model.named_modules()`` as a list, when the caller has walked it already."""
+    modules = list(model.named_modules()) if modules is None else modules
+    names = {id(module): name for name, module in modules}
     readers = []
-    for name, module in model.named_modules():
+    for name, module in modules:
         old = module.__dict__.pop(_ATTR, None)
         if old is not None:
             for handle in old.handles:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 HELP = ("check each upstream diff against the installed package: still needed, fixed upstream, or drifted; "

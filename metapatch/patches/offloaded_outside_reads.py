@@ -50,11 +50,12 @@ def _attach(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         from metapatch import _missing_offloaded, _outside_reads
 
         get = bound.arguments.get
+        modules = list(module.named_modules())  # one walk for the three passes (none adds a module)
         _outside_reads.hook_split_tensors(module, get("execution_device"), get("offload"), get("weights_map"),
                                           offload_buffers=get("offload_buffers", False), skip_keys=get("skip_keys"),
-                                          tied_params_map=get("tied_params_map"))
-        _missing_offloaded.serve_missing(module)
-        _outside_reads.install(module)
+                                          tied_params_map=get("tied_params_map"), modules=modules)
+        _missing_offloaded.serve_missing(module, modules)
+        _outside_reads.install(module, modules)
     return result
 
 
