@@ -31,6 +31,12 @@ FINGERPRINTS: Dict[str, Tuple[Variant, ...]] = {
         ("c983ef0a97739742", "5.16.0", "5.22.2"),
         ("c92710a756fd8d14", "5.23.0", "5.24.0"),
     ),
+    # accelerate-dispatch-skip-keys, accelerate-unindexed-disk-tensors
+    "accelerate.big_modeling:dispatch_model": (
+        ("398cfc87e4986362", "1.10.0", "1.12.0"),
+        ("0eeb48d0a8604931", "1.13.0", "1.14.0"),
+        ("81f88a737d7c9ee3", "1.15.0", "1.15.0"),
+    ),
     # offloaded-outside-reads, tied-device-map-meta-pointer (1.10.x and 1.11+ differ in annotations
     # only: the same call)
     "accelerate.hooks:attach_align_device_hook_on_blocks": (

@@ -14,6 +14,7 @@ INDEX = {
     'accelerate-fsdp2-shared-embeddings': ('accelerate_fsdp2_shared_embeddings', ('accelerate.utils.fsdp_utils',)),
     'accelerate-root-disk-map': ('accelerate_root_disk_map', ('accelerate.utils.offload',)),
     'accelerate-tie-before-load': ('accelerate_tie_before_load', ('accelerate.big_modeling', 'accelerate.utils.modeling')),
+    'accelerate-unindexed-disk-tensors': ('accelerate_unindexed_disk_tensors', ('accelerate.big_modeling',)),
     'bnb-cpu-repack-copy': ('bnb_cpu_repack_copy', ('bitsandbytes.nn.modules',)),
     'bnb-params4bit-extra-attributes': ('bnb_params4bit_extra_attributes', ('bitsandbytes.nn.modules',)),
     'bnb-quant-state-offload': ('bnb_quant_state_offload', ('bitsandbytes.functional', 'bitsandbytes.nn.modules')),

@@ -17,6 +17,7 @@ from typing import Any, List, Optional
 
 from metapatch._calls import signature_of
 from metapatch._records import Patch, Target, Upstream
+from metapatch._shared_targets import shared_fingerprints
 
 PATCH_ID = "accelerate-dispatch-skip-keys"
 
@@ -58,9 +59,7 @@ PATCH = Patch(
     affects={"transformers": ">=5.5,<5.23", "accelerate": ">=1.0"},
     targets=(
         Target("accelerate.big_modeling", "dispatch_model",
-               fingerprints=("398cfc87e4986362",  # accelerate 1.10.1, 1.11.0, 1.12.0
-                             "0eeb48d0a8604931",  # accelerate 1.13.0, 1.14.0
-                             "81f88a737d7c9ee3"),  # accelerate 1.15.0
+               fingerprints=shared_fingerprints("accelerate.big_modeling:dispatch_model"),
                wrapper=_dispatch_model, aliases=("accelerate:dispatch_model",)),
     ),
     upstream=Upstream(

@@ -9,12 +9,12 @@ The mechanism (metapatch._outside_reads) runs once per dispatch: when accelerate
 ``attach_align_device_hook_on_blocks`` (``dispatch_model``, so ``from_pretrained(device_map=...)``,
 ``load_checkpoint_and_dispatch``, PEFT's re-dispatch) or ``attach_align_device_hook`` (``cpu_offload``,
 ``disk_offload``) has attached offload hooks, the forward source of every module class is read once for
-such reads, and only the modules that make them get a pre/post forward hook. Two neighbours of the same
-bug class are served at the same point, before the reads are looked for: a module's own tensors that the
-map offloads under their own keys get an offload hook (accelerate hooks only the modules a map names:
-ZayaModel's top-level parameters), and a never-saved tensor on disk, which no offload index holds, gets
-its value from the model's own deterministic init (metapatch._missing_offloaded: MarianMT's sinusoidal
-table). Nothing changes where nothing is offloaded (the call goes straight through).
+such reads, and only the modules that make them get a pre/post forward hook. A neighbour of the same bug
+class is served at the same point, before the reads are looked for: a module's own tensors that the map
+offloads under their own keys get an offload hook (accelerate hooks only the modules a map names:
+ZayaModel's top-level parameters). (A disk-mapped tensor missing from a given offload index, MarianMT's
+never-saved table, is accelerate-unindexed-disk-tensors'.) Nothing changes where nothing is offloaded (the
+call goes straight through).
 """
 
 from __future__ import annotations
@@ -47,14 +47,13 @@ def _attach(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         _depth.value -= 1
     module = bound.arguments.get("module")
     if top and module is not None and _offloads(bound.arguments.get("offload", False)):
-        from metapatch import _missing_offloaded, _outside_reads
+        from metapatch import _outside_reads
 
         get = bound.arguments.get
-        modules = list(module.named_modules())  # one walk for the three passes (none adds a module)
+        modules = list(module.named_modules())  # one walk for both passes (neither adds a module)
         _outside_reads.hook_split_tensors(module, get("execution_device"), get("offload"), get("weights_map"),
                                           offload_buffers=get("offload_buffers", False), skip_keys=get("skip_keys"),
                                           tied_params_map=get("tied_params_map"), modules=modules)
-        _missing_offloaded.serve_missing(module, modules)
         _outside_reads.install(module, modules)
     return result
 

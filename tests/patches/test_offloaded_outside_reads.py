@@ -26,14 +26,7 @@ def test_affected_on_every_supported_accelerate():
 class TestThreeWay(ThreeWayCase):
     patch_ids = (PATCH_ID,)
     names = {PATCH_ID: {"remote-code-reads-on-disk", "prophetnet-decoder-embeddings-on-disk",
-                        "own-parameter-mapped-alone-on-disk", "never-saved-table-on-disk"}}
-
-    def diff_skip(self, scenario):
-        if scenario.name == "never-saved-table-on-disk":
-            # accelerate cannot compute a value no checkpoint holds; the fix belongs in transformers'
-            # disk offload (index the never-saved tensors it initialises), a diff not written yet
-            return "its upstream fix belongs in transformers (the accelerate diff cannot serve it): not written yet"
-        return super().diff_skip(scenario)
+                        "own-parameter-mapped-alone-on-disk"}}
 
 
 EMBEDDING_PATCHES = "gemma4-offloaded-embeddings,diffusion-gemma-offloaded-embeddings"
@@ -227,40 +220,3 @@ def test_a_reader_that_writes_nothing_runs_under_inference_mode(tmp_path):
     with torch.inference_mode():
         assert torch.equal(model(ids), expected)
         assert torch.equal(model(ids), expected)
-
-
-def test_a_randomly_initialised_never_saved_tensor_is_not_invented(tmp_path):
-    """A never-saved tensor whose init is a random draw: the in-memory model holds another draw, so nothing
-    is served (the hook fails as upstream) and the user's random stream is left as it was."""
-    transformers = pytest.importorskip("transformers")
-    from metapatch import _missing_offloaded
-
-    class Config(transformers.PretrainedConfig):
-        model_type = "metapatch-random-extra"
-
-    class Model(transformers.PreTrainedModel):
-        config_class = Config
-        _keys_to_ignore_on_save = ["extra.weight"]
-        _no_split_modules: list = []
-
-        def __init__(self, config):
-            super().__init__(config)
-            self.body = torch.nn.Linear(4, 4)
-            self.extra = torch.nn.Linear(4, 4, bias=False)
-            self.post_init()
-
-        def _init_weights(self, module):
-            if module is self.extra:
-                torch.nn.init.normal_(module.weight)
-
-        def forward(self, x):
-            return self.extra(self.body(x))
-
-    Model(Config()).save_pretrained(tmp_path / "ckpt")
-    model = Model.from_pretrained(tmp_path / "ckpt", device_map={"body": "cpu", "extra": "disk"},
-                                  offload_folder=str(tmp_path / "offload"))
-    state = torch.get_rng_state()
-    assert _missing_offloaded.serve_missing(model) == []
-    assert torch.equal(torch.get_rng_state(), state)
-    with pytest.raises(KeyError, match="extra.weight"):
-        model(torch.ones(1, 4))

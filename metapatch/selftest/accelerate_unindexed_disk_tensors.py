@@ -1,0 +1,58 @@
+"""Reproducer for accelerate-unindexed-disk-tensors: a disk-mapped tensor that the checkpoint never holds
+(MarianMT's sinusoidal position table, ``_keys_to_ignore_on_save``) has no entry in the offload index
+transformers builds, and accelerate's hook fails at the first forward; fixed means the logits of two
+forwards equal the in-memory model's (torch.equal)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict
+
+from ._harness import Scenario
+from ._models import input_ids
+
+PATCH_ID = "accelerate-unindexed-disk-tensors"
+_VOCAB = 64
+
+# MarianMT's sinusoidal position table is never saved (_keys_to_ignore_on_save) and is computed at load;
+# with its module on disk, nothing writes it to the offload index.
+_MARIAN_MAP = {"model.shared": "cpu", "model.encoder.embed_tokens": "cpu", "model.encoder.embed_positions": "disk",
+               "model.encoder.layers": "cpu",
+               "model.decoder": "cpu", "lm_head": "cpu", "final_logits_bias": "cpu"}
+
+
+def never_saved_table_on_disk(workdir: Path) -> Dict[str, Any]:
+    """MarianMTModel with its encoder's sinusoidal position embedding on disk: logits of two forwards equal
+    the in-memory model's (torch.equal)."""
+    import torch
+    from transformers import MarianConfig, MarianMTModel
+
+    config = MarianConfig(vocab_size=_VOCAB, d_model=32, encoder_layers=2, decoder_layers=2,
+                          encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+                          decoder_ffn_dim=64, max_position_embeddings=64, pad_token_id=0, eos_token_id=2,
+                          decoder_start_token_id=0)
+    torch.manual_seed(0)
+    MarianMTModel(config).save_pretrained(workdir / "ckpt")
+    reference = MarianMTModel.from_pretrained(workdir / "ckpt").eval()
+    loaded = MarianMTModel.from_pretrained(workdir / "ckpt", device_map=_MARIAN_MAP,
+                                           offload_folder=str(workdir / "offload")).eval()
+    if not loaded.model.encoder.embed_positions.weight.is_meta:
+        raise AssertionError("the device map was meant to put the encoder's position table on disk")
+    ids = input_ids(vocab_size=_VOCAB, length=8)
+    with torch.no_grad():
+        expected = reference(input_ids=ids, decoder_input_ids=ids).logits
+        got = loaded(input_ids=ids, decoder_input_ids=ids).logits
+        again = loaded(input_ids=ids, decoder_input_ids=ids).logits
+    if not (torch.equal(got, expected) and torch.equal(again, expected)):
+        raise AssertionError(f"logits differ: max abs diff {float((got - expected).abs().max())}")
+    return {"max_abs_diff": 0.0}
+
+
+SCENARIOS = [
+    Scenario(PATCH_ID, "never-saved-table-on-disk", f"{__name__}:never_saved_table_on_disk",
+             "MarianMTModel with its encoder's sinusoidal position embedding on disk: the table is never saved "
+             "(_keys_to_ignore_on_save) and computed at load, so the disk offload index has no entry for it; "
+             "logits of two forwards equal the in-memory model (unpatched: KeyError "
+             "'model.encoder.embed_positions.weight'). Found by the sweep",
+             expected_error="KeyError", expected_message="embed_positions.weight"),
+]
