@@ -123,7 +123,9 @@ def tests(session, env):
     # working directory never sees another test's files.
     skipped = ([] if env == "latest" else ONCE) + NOT_IN.get(env, [])
     marks = [] if env == "latest" else ["-m", "not slow"]
-    junit = os.path.join(session.create_tmp(), "junit.xml")  # per-test times, for whoever trims CI next
+    # Per-test times, for whoever trims CI next; beside the venv, never through session.create_tmp(), which
+    # points TMPDIR into this repository (tests that need a directory outside any git clone then fail).
+    junit = os.path.join(session.virtualenv.location, "junit.xml")
     session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadfile", "--durations=40",
                 f"--junitxml={junit}",
                 *marks, *[arg for path in skipped for arg in ("--ignore", path)], *session.posargs)
