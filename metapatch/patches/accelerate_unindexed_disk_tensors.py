@@ -37,8 +37,13 @@ def unindexed(model: Any, device_map: Any, offload_index: Any) -> Dict[str, Any]
     disk = [name for name, device in device_map.items() if device == "disk"]
     if not disk:
         return {}
-    # state_dict's names are the weights map's names (persistent buffers in, non-persistent out)
-    return {name: tensor for name, tensor in model.state_dict(keep_vars=True).items()
+    from accelerate.utils import named_module_tensors
+
+    # The names the offload hooks look up (hook_tensors reads the same way), and no state_dict(): accelerate
+    # makes none when given an index, and a module's own _save_to_state_dict (bitsandbytes' 4-bit layers)
+    # would run on its meta tensors here.
+    return {name: tensor for name, tensor in named_module_tensors(model, include_buffers=True, recurse=True,
+                                                                  remove_non_persistent=True)
             if name not in offload_index and _under(name, disk) and not tensor.is_meta}
 
 

@@ -92,6 +92,9 @@ def test_a_missing_tensor_drawn_at_random_is_served_as_the_in_memory_model_drew_
 
 def test_nothing_is_looked_at_without_a_disk_entry_or_an_index():
     class Exploding(torch.nn.Module):
+        def named_parameters(self, *args, **kwargs):
+            raise AssertionError("walked")
+
         def state_dict(self, *args, **kwargs):
             raise AssertionError("walked")
 
@@ -108,3 +111,14 @@ def test_only_disk_mapped_real_tensors_missing_from_the_index_are_taken():
     found = unindexed(model, {"0": "cpu", "1": "disk", "2": "disk"}, {"1.bias": {}})
     assert set(found) == {"1.weight", "2.bias"}  # 0 is not on disk, 1.bias is indexed, 2.weight is meta
     assert found["1.weight"] is model[1].weight  # a reference, not a copy
+
+
+def test_no_module_serialises_itself_to_be_looked_at():
+    """A module's own _save_to_state_dict (bitsandbytes' 4-bit layers) would run on meta tensors: the
+    lookup reads tensors as the hooks do, without state_dict()."""
+    class Refusing(torch.nn.Linear):
+        def _save_to_state_dict(self, *args, **kwargs):
+            raise AssertionError("serialised")
+
+    model = torch.nn.Sequential(Refusing(2, 2), torch.nn.Linear(2, 2))
+    assert set(unindexed(model, {"0": "disk", "1": "cpu"}, {"0.weight": {}})) == {"0.bias"}
