@@ -8,6 +8,13 @@ reach the ranks unchanged). Plain subprocesses rather than ``torch.multiprocessi
 child re-imports the parent's ``__main__`` (the selftest zygote, pytest) and has no timeout; here the
 whole group is killed at the deadline and the caller gets a per-rank report either way.
 
+Where it is safe, the ranks are forked from the caller instead (:func:`_can_fork`): a scenario's process
+has already imported torch, the stack and metapatch, and a fresh interpreter per rank spent most of a
+two-rank scenario's time importing them again. Safe means what the selftest's warm parent relies on
+too: one thread in the process, one intra-op thread in torch (an OpenMP pool does not survive a
+fork), no CUDA, no process group yet, and no environment of the caller's own (``env``), which a rank
+would have had to read at import time. ``METAPATCH_SELFTEST_FORK=0`` turns it off.
+
 The rank function is ``module:function`` called as ``function(rank, world_size, workdir)``; it
 initialises its own process group (``init_process_group`` or an accelerate ``Accelerator``; the
 backend is gloo on CPU, nccl where each rank has a GPU: :func:`backend`) and returns a dict that
@@ -28,9 +35,11 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -85,10 +94,14 @@ def run_ranks(function: str, workdir: Path, *, world_size: int = 2, timeout: flo
     base["PYTHONPATH"] = os.pathsep.join(p for p in (base.get("PYTHONPATH", ""), here) if p)
     base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world_size),
                 LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS=base.get("OMP_NUM_THREADS", "1"))
+    fork = env is None and _can_fork()
     procs = []
     for rank in range(world_size):
         rank_env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank))
         log = open(workdir / f"rank{rank}.log", "w")
+        if fork:
+            procs.append((_ForkedRank(function, rank, world_size, workdir, rank_env, log), log))
+            continue
         procs.append((subprocess.Popen([sys.executable, "-m", "metapatch.selftest._ranks", function, str(rank),
                                         str(world_size), str(workdir)], env=rank_env, cwd=str(workdir),
                                        stdout=log, stderr=subprocess.STDOUT), log))
@@ -129,6 +142,94 @@ def run_ranks(function: str, workdir: Path, *, world_size: int = 2, timeout: flo
                             "error": f"exit code {proc.returncode}, no result" + (f" after {timeout} s" if timed_out else ""),
                             "traceback": tail})
     return reports
+
+
+def _can_fork() -> bool:
+    """Whether a rank may be a fork of this process (see the module docstring)."""
+    if os.environ.get("METAPATCH_SELFTEST_FORK", "1") == "0" or not hasattr(os, "fork"):
+        return False
+    _stop_progress_monitors()
+    if threading.active_count() != 1 or "torch" not in sys.modules:
+        return False
+    import torch
+
+    if torch.get_num_threads() != 1 or torch.cuda.is_initialized():
+        return False
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized())
+
+
+def _stop_progress_monitors() -> None:
+    """Stop tqdm's monitor thread (started by the first progress bar of a load, e.g. a checkpoint's
+    shards): a thread that may hold tqdm's lock at the fork would deadlock a rank's first bar. tqdm starts
+    a new one with its next bar, in the caller and in each rank."""
+    for thread in threading.enumerate():
+        if type(thread).__module__ == "tqdm._monitor":
+            thread.exit()
+            if getattr(thread.tqdm_cls, "monitor", None) is thread:
+                thread.tqdm_cls.monitor = None
+
+
+def _as_fresh_interpreter() -> None:
+    """What a forked rank inherited that a fresh interpreter would not have: the caller's random state and
+    accelerate's process-wide state (a caller that built a model made a single-process ``PartialState``,
+    which every ``Accelerator`` of the rank would otherwise reuse)."""
+    import torch
+
+    torch.seed()  # a fresh interpreter's generator starts from a nondeterministic seed: so does each rank
+    state = sys.modules.get("accelerate.state")
+    if state is not None:
+        state.AcceleratorState._reset_state(reset_partial_state=True)
+        state.GradientState._reset_state()
+
+
+class _ForkedRank:
+    """A rank forked from the caller, with the ``poll``/``kill``/``wait``/``returncode`` of a Popen."""
+
+    def __init__(self, function: str, rank: int, world_size: int, workdir: Path, env: Mapping[str, str],
+                 log: Any) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.returncode: Optional[int] = None
+        self.pid = os.fork()
+        if self.pid == 0:
+            code = 1
+            try:
+                os.dup2(log.fileno(), 1)
+                os.dup2(log.fileno(), 2)
+                os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+                os.chdir(workdir)
+                os.environ.clear()
+                os.environ.update(env)
+                _as_fresh_interpreter()
+                code = _main(function, str(rank), str(world_size), str(workdir))
+            except BaseException:  # noqa: BLE001 - reported through the missing result file
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self) -> int:
+        if self.returncode is None:
+            _, status = os.waitpid(self.pid, 0)
+            self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def raise_first_error(reports: List[Dict[str, Any]]) -> None:
