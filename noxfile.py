@@ -53,7 +53,7 @@ TEST_TOOLS = ["safetensors", "pytest>=8", "pytest-xdist", "hypothesis>=6", "para
 # run), the upstream suites (accelerate's and peft's own tests with metapatch active: one hunt for silent
 # wrongs, on the newest releases), and the PEFT tuner matrix (six scenarios x unpatched/patched/diff, 4-5
 # min of one worker on the older pairs; test_peft_offload_redispatch.py keeps the PEFT patch's three-way
-# proof in every pair, and the gates run the tuner scenarios unpatched and patched on three more stacks).
+# proof in every pair, and the gates run the tuner scenarios unpatched and patched on four more stacks).
 # Measured on the seed pair (junit, eleventh session): these were about 730 of its 3000 worker-seconds;
 # CI had reached 3656 s of its 60 minutes.
 ONCE = ["tests/test_pr_checks.py", "tests/test_series_reproducers.py", "tests/test_reproducers.py",

@@ -19,11 +19,13 @@ FINGERPRINTS: Dict[str, Tuple[Variant, ...]] = {
         ("1a0bf6a75352e1ea", "1.13.0", "1.13.0"),
         ("13a713c1f6c4e775", "1.14.0", "1.14.0"),
         ("fcc073ba365290bd", "1.15.0", "1.15.0"),
+        ("dc5a3b98004b47f4", "1.16.0", "1.16.0"),
     ),
     # accelerate-tie-before-load, empty-init-nonpersistent-buffers
     "accelerate.utils.modeling:load_checkpoint_in_model": (
         ("5b18bd1bf317a2c4", "1.10.0", "1.10.1"),
         ("18e8cb3be7919183", "1.11.0", "1.15.0"),
+        ("30a62c8401e20585", "1.16.0", "1.16.0"),
     ),
     # empty-built-nonpersistent-buffers, fsdp-rank-placeholders (transformers)
     "transformers.modeling_utils:PreTrainedModel._move_missing_keys_from_meta_to_device": (
@@ -36,6 +38,7 @@ FINGERPRINTS: Dict[str, Tuple[Variant, ...]] = {
         ("398cfc87e4986362", "1.10.0", "1.12.0"),
         ("0eeb48d0a8604931", "1.13.0", "1.14.0"),
         ("81f88a737d7c9ee3", "1.15.0", "1.15.0"),
+        ("4b4fdc27416f81b5", "1.16.0", "1.16.0"),
     ),
     # offloaded-outside-reads, tied-device-map-meta-pointer (1.10.x and 1.11+ differ in annotations
     # only: the same call)

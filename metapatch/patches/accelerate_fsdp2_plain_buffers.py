@@ -85,9 +85,11 @@ PATCH = Patch(
     id=PATCH_ID,
     title="accelerate FSDP2 cpu_ram_efficient_loading loads persistent buffers (no 'Tensor' has no "
           "attribute 'device_mesh'; BART final_logits_bias, MoE e_score_correction_bias)",
-    # Measured (two ranks, gloo): 1.13.0, 1.14.0 and 1.15.0 affected. Earlier releases have other
-    # variants of the function (survey table) and are not claimed until measured.
-    affects={"accelerate": ">=1.13"},
+    # Measured (two ranks, gloo): 1.13.0, 1.14.0 and 1.15.0 affected; 1.16.0 fixed (its
+    # fsdp2_load_full_state_dict broadcasts a plain tensor whole, distributing DTensors only: the
+    # scenarios pass unpatched). Earlier releases have other variants of the function (survey table)
+    # and are not claimed until measured.
+    affects={"accelerate": ">=1.13,<1.16"},
     targets=(
         Target("accelerate.utils.fsdp_utils", "fsdp2_load_full_state_dict",
                fingerprints=("e1540c0e57436bb2",  # accelerate 1.13.0

@@ -138,7 +138,8 @@ PATCH = Patch(
         Target("accelerate.accelerator", "Accelerator.prepare_model",
                fingerprints=("aad7fb2d2c1ed103",  # accelerate 1.13.0
                              "2b6563672810ed61",  # accelerate 1.14.0
-                             "39d2ccde29f46bbe"),  # accelerate 1.15.0
+                             "39d2ccde29f46bbe",  # accelerate 1.15.0
+                             "2aa5f42d920681ec"),  # accelerate 1.16.0 (TPU re-tie, env parsing: same flow)
                wrapper=_prepare_model),
         Target("accelerate.utils.fsdp_utils", "fsdp2_prepare_model",
                fingerprints=shared_fingerprints("accelerate.utils.fsdp_utils:fsdp2_prepare_model"),

@@ -48,6 +48,7 @@ PATCH = Patch(
                    "6adf846d9a7f6761",  # 5.19.0 - 5.22.2
                    "e16e5ee8eb381fb4",  # 5.23.0
                    "c95ea546300d87e1",  # 5.24.0
+                   "1ab08a7a16121152",  # 5.25.0 (an audio variable renamed: the same reads)
                ),
                wrapper=call_with_materialised("language_model.embed_tokens")),
         Target(_MODULE, "Gemma4TextModel.get_per_layer_inputs",

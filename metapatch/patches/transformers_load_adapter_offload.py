@@ -155,7 +155,7 @@ PATCH = Patch(
     affects={"transformers": ">=4.57.0", "peft": ">=0.17.0", "accelerate": ">=1.10.0"},
     targets=(
         Target(_MODULE, "PeftAdapterMixin.load_adapter",
-               # measured: 4.57.6, 5.0.0, 5.4.0, 5.11.0, 5.13.0, 5.17.0, 5.24.0; 5.1-5.3, 5.6 and 5.7-5.9 by
+               # measured: 4.57.6, 5.0.0, 5.4.0, 5.11.0, 5.13.0, 5.17.0, 5.24.0, 5.25.0; 5.1-5.3, 5.6 and 5.7-5.9 by
                # reading their code (the 5.0 / 5.4 load paths with unrelated changes): `survey --run` measures them
                fingerprints=("ebd599c0de0ac56b",  # 4.57.1-4.57.6
                              "eb11769c692ea7be",  # 5.0.0
@@ -166,7 +166,8 @@ PATCH = Patch(
                              "36b4030936e7064a",  # 5.10.1-5.12.1
                              "e7466abfc0e476c7",  # 5.13.0-5.14.1
                              "beadb955f56f144d",  # 5.15.0-5.17.0
-                             "137dc62b2b9760e7"),  # 5.18.0-5.24.0
+                             "137dc62b2b9760e7",  # 5.18.0-5.24.0
+                             "6625c16c4dc703b9"),  # 5.25.0 (missing keys: a tied adapter tensor counts as loaded)
                wrapper=load_adapter),
         Target(_MODULE, "PeftAdapterMixin._dispatch_accelerate_model",
                fingerprints=("96b5fee0f12a7b53",  # 4.57.1-4.57.6

@@ -20,6 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict
 
+from . import NotApplicable
 from ._harness import Scenario
 from ._peft import (_compare, _listing, _logits_and_tokens, _save_checkpoint, _SideEffects, offload_map,
                     require_gemma4, save_adapter)
@@ -167,7 +168,7 @@ def gpu_4bit_cpu_parts(workdir: Path) -> Dict[str, Any]:
     from ._models import input_ids, max_abs_diff, save_tiny_llama
 
     if not torch.cuda.is_available():
-        raise RuntimeError("this scenario needs a CUDA device")
+        raise NotApplicable("needs a CUDA device")
     checkpoint = save_tiny_llama(workdir / "base")
     adapter = save_adapter("llama", checkpoint, workdir / "adapter", seed=3)
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
