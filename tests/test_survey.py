@@ -255,3 +255,35 @@ def test_companions_are_pinned_inside_the_patchs_affected_range(monkeypatch):
     pins = plan.combinations(patch, "accelerate", "1.12.0", 2)
     assert [p["transformers"] for p in pins] == ["5.22.2", "5.6.0"]
     assert all(p["accelerate"] == "1.12.0" for p in pins)
+
+
+def test_an_uninstallable_companion_steps_back_to_the_newest_that_installs(monkeypatch):
+    """transformers 5.25.0 needs kernels 0.19.1, which PyPI's index may lack: an accelerate release is then
+    measured with the newest transformers that installs (the row names what was asked for), not left
+    undecided. Where nothing older installs, the result stays uninstallable."""
+    from metapatch.survey import plan, runner
+    from metapatch.survey import releases as rel
+
+    window = {"transformers": ["5.23.0", "5.24.0", "5.25.0"], "accelerate": ["1.15.0", "1.16.0"],
+              "peft": ["0.21.2"], "bitsandbytes": ["0.50.2"]}
+    monkeypatch.setattr(rel, "releases_in_window", lambda dist, *a, **k: window[dist])
+    asked = []
+
+    def run_combination(patch_id, pins, timeout, log=None):
+        asked.append(dict(pins))
+        if pins.get("transformers") == "5.25.0":
+            return {"pins": dict(pins), "status": "uninstallable", "reason": "no kernels 0.19.1", "patch_source": "x"}
+        return {"pins": dict(pins), "status": "measured", "patch_source": "x",
+                "scenarios": {"s": {"unpatched": {"result": "fail", "error_type": "ValueError"},
+                                    "patched": {"result": "pass"}, "diff": {"result": "pass"}}}}
+
+    monkeypatch.setattr(runner, "run_combination", run_combination)
+    patch = metapatch.registry.patches["accelerate-tie-before-load"]
+    result = plan._run_installable(patch, "accelerate", {"accelerate": "1.16.0", "transformers": "5.25.0"}, 60, print)
+    assert [a["transformers"] for a in asked] == ["5.25.0", "5.24.0"]
+    assert result["status"] == "measured" and result["pins"]["transformers"] == "5.24.0"
+    assert result["stepped_back_from"]["transformers"] == "5.25.0"
+    window["transformers"] = ["5.25.0"]
+    asked.clear()
+    stuck = plan._run_installable(patch, "accelerate", {"accelerate": "1.16.0", "transformers": "5.25.0"}, 60, print)
+    assert stuck["status"] == "uninstallable" and len(asked) == 1

@@ -151,12 +151,52 @@ def combinations(patch: Any, dist: str, version: str, max_combos: int) -> List[D
     return combos
 
 
+# How many older releases of the companions to try when a combination cannot be installed (a new
+# transformers that asks for a package PyPI does not have yet): the newest one that installs stands for it.
+_STEP_BACK = 3
+
+
+def _stepped_back(patch: Any, dist: str, pins: Dict[str, str]) -> Optional[Dict[str, str]]:
+    """``pins`` with every companion one release older (inside its range), or None where none can go back."""
+    older, moved = dict(pins), False
+    for companion, version in pins.items():
+        if companion == dist:
+            continue
+        releases = companion_releases(patch, companion)
+        if version in releases and releases.index(version) > 0:
+            older[companion] = releases[releases.index(version) - 1]
+            moved = True
+    return older if moved else None
+
+
+def _run_installable(patch: Any, dist: str, pins: Dict[str, str], timeout: float,
+                     log: Callable[[str], None]) -> Dict[str, Any]:
+    """The combination's result; where it is uninstallable, the result with the companions stepped back
+    (up to _STEP_BACK releases) instead, noting what was asked for, so that a row is measured rather than
+    left undecided (and its earlier measurement overwritten) because of a companion's missing dependency."""
+    result = runner.run_combination(patch.id, pins, timeout, log)
+    tried, current = [result], pins
+    while result.get("status") == "uninstallable" and len(tried) <= _STEP_BACK:
+        current = _stepped_back(patch, dist, current)
+        if current is None:
+            break
+        result = runner.run_combination(patch.id, current, timeout, log)
+        tried.append(result)
+    if result is not tried[0] and result.get("status") != "uninstallable":
+        first = tried[0]
+        result = {**result, "stepped_back_from": first["pins"], "stepped_back_reason": first.get("reason", "")}
+    return result
+
+
 def _measure(patch: Any, dist: str, version: str, max_combos: int, timeout: float, progress: Any,
              log: Callable[[str], None]) -> List[Dict[str, Any]]:
     runs = []
     for pins in combinations(patch, dist, version, max_combos):
-        result = runner.run_combination(patch.id, pins, timeout, log)
+        result = _run_installable(patch, dist, pins, timeout, log)
         runs.append({"pins": result["pins"], **runner.verdict(result), "patch_source": result["patch_source"]})
+        if "stepped_back_from" in result:
+            runs[-1]["stepped_back_from"] = result["stepped_back_from"]
+            runs[-1]["stepped_back_reason"] = result["stepped_back_reason"][:200]
         progress.step(", ".join(f"{d} {v}" for d, v in sorted(pins.items())) + f": bug {runs[-1]['bug']}")
     return runs
 

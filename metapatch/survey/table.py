@@ -49,6 +49,10 @@ def _releases_text(releases: List[str]) -> str:
 def _run_text(run: Dict[str, Any], dist: str) -> str:
     others = ", ".join(f"{d} {v}" for d, v in sorted(run["pins"].items()) if d != dist)
     pins = f"{run['pins'].get(dist, '?')} with {others}" if others else run["pins"].get(dist, "?")
+    asked = run.get("stepped_back_from")
+    if asked:  # the newest companion did not install: say which was asked for
+        wanted = ", ".join(f"{d} {v}" for d, v in sorted(asked.items()) if d != dist and run["pins"].get(d) != v)
+        pins += f"; {wanted} uninstallable"
     if run["bug"] not in ("yes", "no"):
         return f"[{pins}] {run['bug']}" + (f" ({run['reason'][:80]})" if run.get("reason") else "")
     bug = f"yes {run['error']}" if run["bug"] == "yes" else "no"
