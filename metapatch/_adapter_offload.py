@@ -31,30 +31,12 @@ Imports of torch/accelerate/peft happen inside functions: ``import metapatch`` s
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any, Iterator, List, Optional, Tuple
 
 from metapatch import _hook_state, _offload_store
+from metapatch._module_walk import named_modules  # noqa: F401  (the shared walk; callers import it from here too)
 from metapatch._records import MetapatchError
-
-
-def named_modules(root: Any, remove_duplicate: bool = True) -> List[Tuple[str, Any]]:
-    """``root.named_modules(remove_duplicate=...)``: the same names in the same order (pre-order), by
-    an explicit stack: torch's nested generators cost more with every level of depth, and an adapter
-    load over an offloaded base walks the whole model several times."""
-    found, seen, stack = [], set(), [("", root)]
-    while stack:
-        name, module = stack.pop()
-        if remove_duplicate:
-            if id(module) in seen:
-                continue
-            seen.add(id(module))
-        found.append((name, module))
-        children = module._modules
-        if children:
-            prefix = name + "." if name else ""
-            stack.extend(reversed([(prefix + child_name, child) for child_name, child in children.items()
-                                   if child is not None]))
-    return found
 
 
 def offload_hook(module: Any) -> Optional[Any]:
@@ -146,6 +128,16 @@ def base_layer_stood_in(module: Any, what: str = "creating an adapter") -> Itera
 
 
 def base_layer_of(module: Any) -> Any:
+    """PEFT's ``module.get_base_layer()`` (the innermost ``base_layer``), or ``module`` itself when it
+    has none. PEFT's own method asks ``hasattr(layer, "base_layer")`` down to the plain layer, whose
+    failing lookup costs an AttributeError; where a tuner layer uses that method unchanged, the chain is
+    read from ``_modules``, where PEFT registers it (this runs several times per tuner layer per load)."""
+    get_base_layer = getattr(type(module), "get_base_layer", None)
+    if get_base_layer is None:
+        return module
+    tuners_utils = sys.modules.get("peft.tuners.tuners_utils")
+    if tuners_utils is not None and get_base_layer is getattr(tuners_utils.BaseTunerLayer, "get_base_layer", None):
+        return _offload_store.innermost_base_layer(module)
     get_base_layer = getattr(module, "get_base_layer", None)
     return get_base_layer() if callable(get_base_layer) else module
 
@@ -213,10 +205,25 @@ def _adapter_containers(layer: Any) -> List[Any]:
 
 
 def _adapter_modules(layer: Any) -> List[Any]:
-    """(name, module) of everything under a tuner layer except its base layer."""
+    """(name, module) of everything under a tuner layer except its base layer, in ``named_modules``
+    order: one walk that does not enter the base layer (this runs for every tuner layer at every
+    adapter load)."""
     base_layer = base_layer_of(layer)
-    base_ids = {id(m) for _, m in named_modules(base_layer)}
-    return [(name, module) for name, module in named_modules(layer) if id(module) not in base_ids]
+    if base_layer is layer:
+        return []
+    found, seen, stack = [], {id(base_layer)}, [("", layer)]
+    while stack:
+        name, module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        found.append((name, module))
+        children = module._modules
+        if children:
+            prefix = name + "." if name else ""
+            stack.extend(reversed([(prefix + child_name, child) for child_name, child in children.items()
+                                   if child is not None]))
+    return found
 
 
 def _own_tensors(module: Any) -> List[Tuple[str, Any]]:
@@ -306,8 +313,10 @@ def _keep_quant_state_of(module: Any) -> None:
     """An offloaded 4-bit layer gets a :class:`KeepQuantStateHook` in front of its offload hook."""
     from accelerate.hooks import SequentialHook
 
-    # The hook first: ``weight`` may be a property that computes (a TrainableTokensWrapper merges its delta).
-    if offload_hook(module) is None or getattr(getattr(module, "weight", None), "quant_state", None) is None:
+    # A registered 4-bit weight first (a dictionary read, asked of every hooked module at every adapter
+    # load), then the hook; never ``module.weight``, which may be a property that computes (a
+    # TrainableTokensWrapper merges its delta).
+    if getattr(module._parameters.get("weight"), "quant_state", None) is None or offload_hook(module) is None:
         return
     hook = module.__dict__["_hf_hook"]
     hooks = list(hook.hooks) if isinstance(hook, SequentialHook) else [hook]
@@ -360,12 +369,17 @@ def follow_base_layer_hooks(model: Any, allow_meta: bool = False) -> int:
     except ImportError:  # pragma: no cover - every supported peft has it
         ModulesToSaveWrapper = ()
     tuner_layers, wrappers = [], []
+    kinds: dict = {}  # class -> (a tuner layer, a modules_to_save wrapper): ABC checks, asked once per class
     for name, module in named_modules(model):  # one walk: this runs at every adapter load
         if "_hf_hook" in module.__dict__:
             _keep_quant_state_of(module)
-        if isinstance(module, BaseTunerLayer):
+        kind = kinds.get(type(module))
+        if kind is None:
+            kind = kinds[type(module)] = (issubclass(type(module), BaseTunerLayer),
+                                          bool(ModulesToSaveWrapper) and issubclass(type(module), ModulesToSaveWrapper))
+        if kind[0]:
             tuner_layers.append((name, module))
-        if isinstance(module, ModulesToSaveWrapper):
+        if kind[1]:
             wrappers.append((name, module))
     adjusted = _trainable_copies_in_memory(wrappers)
     for layer_name, layer in tuner_layers:
@@ -380,10 +394,9 @@ def follow_base_layer_hooks(model: Any, allow_meta: bool = False) -> int:
         with torch.no_grad():
             for name, module in adapter_modules:
                 for tensor_name, tensor in _own_tensors(module):
-                    full = f"{name}.{tensor_name}" if name else tensor_name
                     if tensor.device.type == "meta":
                         if not allow_meta:
-                            missing.append(full)
+                            missing.append(f"{name}.{tensor_name}" if name else tensor_name)
                     elif tensor.device != device:
                         tensor.data = tensor.data.to(device)
         if missing:

@@ -57,8 +57,12 @@ def offload_hooks(module: Any) -> List[Any]:
 
 def offload_hook(module: Any) -> Optional[Any]:
     """The hook that offloads ``module``'s own tensors and serves them from a ``weights_map``, or None."""
-    if getattr(module, "__dict__", {}).get("_hf_hook") is None:
+    hook = getattr(module, "__dict__", {}).get("_hf_hook")
+    if hook is None:
         return None  # asked of every module at every adapter load: most carry no hook
+    hooks_module = _hooks_module()
+    if hooks_module is not None and type(hook) is hooks_module.AlignDevicesHook:  # the common case, directly
+        return hook if hook.offload and hook.weights_map is not None else None
     return next((h for h in offload_hooks(module) if h.weights_map is not None), None)
 
 

@@ -225,9 +225,10 @@ class Operation:
         from accelerate.utils import set_module_tensor_to_device
 
         from metapatch import _adapter_offload
+        from metapatch._module_walk import modules
 
         adopted = 0
-        for _, module in _adapter_offload.named_modules(model):
+        for module in modules(model):
             hook = offload_hook(module)
             if hook is None or self.holds(module) or _adapter_offload._held(hook):
                 continue
@@ -301,7 +302,7 @@ class _LoadWatcher:
         paths = {key[len(prefix):].rpartition(".")[0] for key in state_dict if key.startswith(prefix)}
         for path in paths:
             try:
-                target = module.get_submodule(path) if path else module
+                target = submodule(module, path)
             except AttributeError:
                 continue  # upstream reports the unexpected key
             hook = offload_hook(target)
@@ -311,12 +312,25 @@ class _LoadWatcher:
                 _onload_owning_block(operation, module, path)
 
 
+def submodule(root: Any, path: str) -> Any:
+    """``root.get_submodule(path)``, read from ``_modules`` (a load names every adapter layer: torch's
+    lookup checks each level with ``hasattr``/``getattr``); anything else is left to torch."""
+    module = root
+    if path:
+        for part in path.split("."):
+            child = module.__dict__.get("_modules", {}).get(part)
+            if child is None:
+                return root.get_submodule(path)
+            module = child
+    return module
+
+
 def _onload_owning_block(operation: Operation, root: Any, path: str) -> None:
     """A module offloaded as part of a block (``place_submodules``): the nearest ancestor whose hook
     holds its tensors is onloaded."""
     parts = path.split(".")
     for depth in range(len(parts) - 1, -1, -1):
-        owner = root.get_submodule(".".join(parts[:depth])) if depth else root
+        owner = submodule(root, ".".join(parts[:depth]))
         hook = offload_hook(owner)
         if hook is not None:
             if hook.place_submodules:

@@ -31,9 +31,13 @@ def _declared_mappings(model: Any) -> Iterable[Tuple[str, Mapping[str, str]]]:
     transformers expands regex ``_tied_weights_keys`` once, in ``post_init``, into
     ``all_tied_weights_keys`` (submodels included), so reading it costs nothing; a module nested
     inside such a model is covered by its parent's mapping and skipped."""
+    from metapatch._module_walk import named_modules
+
     covered: List[str] = []
-    for prefix, module in model.named_modules():
+    for prefix, module in named_modules(model):
         if covered and (any(prefix == c or prefix.startswith(c + ".") for c in covered if c) or ("" in covered)):
+            continue
+        if _declares_nothing(module):
             continue
         mapping = _attribute(module, "all_tied_weights_keys")
         if mapping is None and callable(_attribute(module, "get_expanded_tied_weights_keys")):
@@ -46,6 +50,30 @@ def _declared_mappings(model: Any) -> Iterable[Tuple[str, Mapping[str, str]]]:
             yield (prefix + "." if prefix else ""), mapping
             if not prefix:
                 return  # the root's mapping covers every submodel
+
+
+_DECLARING = ("all_tied_weights_keys", "get_expanded_tied_weights_keys")
+_PLAIN_CLASSES: Dict[type, bool] = {}
+
+
+def _declares_nothing(module: Any) -> bool:
+    """Whether ``module`` has neither tie attribute, as :func:`_attribute` would find: its class (asked
+    once per class: most modules of a model are a few classes) leaves lookup to torch and has neither,
+    and the instance holds neither."""
+    cls = type(module)
+    plain = _PLAIN_CLASSES.get(cls)
+    if plain is None:
+        import torch
+
+        plain = _PLAIN_CLASSES[cls] = cls.__getattr__ is torch.nn.Module.__getattr__ \
+            and cls.__getattribute__ is object.__getattribute__ and not any(hasattr(cls, n) for n in _DECLARING)
+    if not plain:
+        return False
+    state, parameters, buffers, children = module.__dict__, module._parameters, module._buffers, module._modules
+    for name in _DECLARING:
+        if name in state or name in parameters or name in buffers or name in children:
+            return False
+    return True
 
 
 def _attribute(module: Any, name: str) -> Any:

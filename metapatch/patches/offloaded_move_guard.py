@@ -30,6 +30,7 @@ import weakref
 from typing import Any, Callable, List, Optional, Tuple
 
 from metapatch._hook_state import offload_hooks, storage
+from metapatch._module_walk import named_modules as _named_modules
 from metapatch._records import MetapatchError, Patch, Target, Upstream
 
 PATCH_ID = "offloaded-move-guard"
@@ -144,25 +145,10 @@ def _offloaded_with_meta(module: Any) -> Optional[Any]:
     return None
 
 
-def _named_modules(root: Any) -> List[Tuple[str, Any]]:
-    """``root.named_modules()`` by identity: torch's memo set hashes every module, which fails for a
-    module class that defines ``__eq__`` without ``__hash__`` (a dataclass module), while moving one
-    with torch alone works (``_apply`` never hashes the module it is called on)."""
-    found, seen, stack = [], set(), [("", root)]
-    while stack:
-        name, module = stack.pop()
-        if id(module) in seen:
-            continue
-        seen.add(id(module))
-        found.append((name, module))
-        children = [(f"{name}.{child_name}" if name else child_name, child)
-                    for child_name, child in module._modules.items() if child is not None]
-        stack.extend(reversed(children))
-    return found
-
-
 def _hooked_modules(root: Any) -> Tuple[Any, ...]:
     """The modules under ``root`` with an accelerate offload hook: cached per root and epoch."""
+    if not root._modules:  # a leaf (most moves: PEFT moves every new adapter layer): no walk, no cache entry
+        return (root,) if "_hf_hook" in root.__dict__ and offload_hooks(root) else ()
     epoch = _OffloadSeen.epoch
     try:
         entry = _HOOKED_IN.get(root)

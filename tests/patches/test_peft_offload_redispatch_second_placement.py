@@ -1,5 +1,6 @@
 """peft-offload-redispatch: a second placement asked for at the PEFT call (``device_map=...``,
-``device_map="auto"``) over an offloaded base. Where it equals the base's placement the base keeps
+``device_map="sequential"``) over an offloaded base; ``device_map="auto"`` alone is upstream's default and
+keeps the base's dispatch, as passing nothing does. Where it equals the base's placement the base keeps
 its dispatch (the same hook objects, as for a plain call); where it differs only the map entries
 whose tensors move are unhooked and moved, the others keep their hooks. Always: the in-memory
 model's logits, the base's offload folder and checkpoint unchanged, nothing written outside the
@@ -64,10 +65,16 @@ def _moved_map():
 
 CASES = {
     # the base's own map, passed again: nothing moves
-    "same-map": (lambda: offload_map("llama"), set()),
-    # everything fits in memory on this CPU-only machine: the disk layers move, the others stay hooked
-    "auto": (lambda: "auto", {"model.layers.2", "model.layers.3"}),
-    "moved-map": (_moved_map, {"model.layers.1", "model.layers.2"}),
+    "same-map": (lambda: offload_map("llama"), set(), {}),
+    # upstream's own default (load_adapter reads kwargs.get("device_map", "auto")): the same call as
+    # passing nothing, so the base keeps its dispatch
+    "auto": (lambda: "auto", set(), {}),
+    # "auto" with a budget is a request: the budget holds the whole model, so the disk layers move
+    "auto-max-memory": (lambda: "auto", {"model.layers.2", "model.layers.3"}, {"max_memory": {"cpu": 10 ** 10}}),
+    # a strategy asked for: everything fits in memory on this CPU-only machine, so the disk layers move
+    # and the others stay hooked
+    "sequential": (lambda: "sequential", {"model.layers.2", "model.layers.3"}, {}),
+    "moved-map": (_moved_map, {"model.layers.1", "model.layers.2"}, {}),
 }
 
 
@@ -79,7 +86,7 @@ def test_second_placement_moves_only_what_moves(files, tmp_path, case):
     if not AFFECTED:
         pytest.skip(f"{PATCH.id} is not affected here: {WHY}")
     checkpoint, adapter, want = files
-    make_map, moving = CASES[case]
+    make_map, moving, extra = CASES[case]
     base = AutoModelForCausalLM.from_pretrained(checkpoint, device_map=offload_map("llama"),
                                                 offload_folder=str(tmp_path / "offload"))
     hooks_before = _hooks(base)
@@ -87,7 +94,7 @@ def test_second_placement_moves_only_what_moves(files, tmp_path, case):
     cwd_before = sorted(os.listdir(os.getcwd()))
 
     model = PeftModel.from_pretrained(base, adapter, device_map=make_map(),
-                                      offload_dir=str(tmp_path / "peft")).eval()
+                                      offload_dir=str(tmp_path / "peft"), **extra).eval()
 
     after = {id(hook) for hook in _hooks(model).values()}
     replaced = {_layer(name) for name, hook in hooks_before.items() if id(hook) not in after}
@@ -104,5 +111,5 @@ def test_second_placement_moves_only_what_moves(files, tmp_path, case):
     with torch.no_grad():
         got = model(input_ids=input_ids()).logits
     assert torch.equal(got, want)
-    if case == "auto":
+    if moving == {"model.layers.2", "model.layers.3"}:  # everything in memory now
         assert not any(p.device.type == "meta" for p in model.parameters())

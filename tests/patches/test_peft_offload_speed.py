@@ -95,3 +95,52 @@ def test_operation_end_removes_watchers_from_a_copy():
     with _offload_store.Operation("test") as operation:
         operation.watch_loads(model)
     assert not model._load_state_dict_pre_hooks
+
+
+def _module_tensors_by_sets(model, remove_duplicate):
+    """The walk ``module_tensors`` replaced: torch's ``named_modules`` plus, for every tuner layer met,
+    the ids of every module under its adapter containers (``part.modules()``)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    adapter_modules = set()
+    for module_name, module in model.named_modules(remove_duplicate=remove_duplicate):
+        if isinstance(module, BaseTunerLayer):
+            for attr in tuple(module.adapter_layer_names) + tuple(module.other_param_names):
+                part = getattr(module, attr, None)
+                if isinstance(part, torch.nn.Module):
+                    adapter_modules.update(id(m) for m in part.modules())
+        prefix = f"{module_name}." if module_name else ""
+        for store in (module._parameters, module._buffers):
+            for tensor_name, tensor in store.items():
+                if tensor is not None:
+                    yield prefix + tensor_name, id(tensor), id(module) in adapter_modules
+
+
+@pytest.mark.parametrize("tuner", ["lora", "ia3", "vera"])
+@pytest.mark.parametrize("remove_duplicate", [True, False])
+def test_module_tensors_is_the_walk_it_replaced(tuner, remove_duplicate):
+    """The redispatch's one walk flags a tensor as an adapter's exactly where the old definition did, in
+    the same order and under the same names, including VeRA's banks shared by every layer."""
+    peft = pytest.importorskip("peft")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from metapatch.patches.peft_offload_redispatch._redispatch import module_tensors
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=4, vocab_size=64, tie_word_embeddings=True)
+    targets = ["q_proj", "v_proj"]
+    configs = {"lora": lambda: peft.LoraConfig(r=4, target_modules=targets, modules_to_save=["lm_head"]),
+               "ia3": lambda: peft.IA3Config(target_modules=targets + ["down_proj"], feedforward_modules=["down_proj"]),
+               "vera": lambda: peft.VeraConfig(r=4, target_modules=targets)}
+    model = peft.get_peft_model(LlamaForCausalLM(config), configs[tuner]())
+    want = list(_module_tensors_by_sets(model, remove_duplicate))
+    got = [(name, id(tensor), is_adapter) for name, tensor, is_adapter in module_tensors(model, remove_duplicate)]
+    assert got == want
+    assert any(flag for _, _, flag in want) and not all(flag for _, _, flag in want)  # both kinds present
+    if not remove_duplicate:  # the re-dispatch's walk: every module under its first name, named_modules' order
+        from metapatch.patches.peft_offload_redispatch._incremental import _walk
+
+        walk = _walk(model)
+        assert [(name, id(module)) for name, module in walk.modules.values()] == \
+            [(name, id(module)) for name, module in model.named_modules()]
+        assert walk.names == [name for name, _, _ in want]

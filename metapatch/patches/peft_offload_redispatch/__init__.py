@@ -33,10 +33,13 @@ Here:
   metapatch re-dispatches instead: the current placement re-keyed for the wrapper, the offloaded base
   weights read from where accelerate already reads them (nothing is copied or re-saved), ``skip_keys``
   from the model; a map that names only ``disk`` is dispatched with hooks on every accelerate;
-* an explicit ``device_map`` (the wrapper's module names, or the base's), ``"auto"``-style
-  strategies, ``max_memory`` and ``offload_dir``/``offload_folder`` are honoured as PEFT documents
-  them: tensors newly sent to disk are written to ``offload_dir`` only (without one they stay in CPU
-  memory, with a warning);
+* an explicit ``device_map`` (the wrapper's module names, or the base's), the strategies
+  ``"balanced"``, ``"balanced_low_0"`` and ``"sequential"``, ``max_memory`` and
+  ``offload_dir``/``offload_folder`` are honoured as PEFT documents them, moving only what moves:
+  tensors newly sent to disk are written to ``offload_dir`` only (without one they stay in CPU memory,
+  with a warning). ``device_map="auto"`` without ``max_memory`` is upstream's own default (what
+  ``load_adapter`` uses when no ``device_map`` is given), so, as with no ``device_map``, the base keeps
+  its dispatch;
 * saving an adapter (``save_pretrained`` of a PEFT model, transformers' adapter save, any caller of
   ``get_peft_model_state_dict``) writes what the in-memory model writes: the base tensors PEFT saves
   beside the adapter (embedding layers, biases) are read, read-only, from where the offload hook

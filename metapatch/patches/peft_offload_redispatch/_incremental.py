@@ -8,7 +8,7 @@ offloaded base, issue 26)."""
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 from metapatch._tied_groups import entry_of
 
@@ -19,23 +19,34 @@ def _offloaded(main: Any) -> set:
     return {"disk"} if str(main) in ("cpu", "mps") else {"cpu", "disk"}  # as dispatch_model decides
 
 
-def _walk(model: Any) -> Tuple[List[Tuple[str, Any, bool]], set]:
-    """(name, tensor, whether it is a tuner layer's own tensor) for every tensor under its first
-    name (what ``_redispatch._named_tensors`` gives: a module's first visit comes at the same point
-    with or without revisits), and the ids of tensors reachable under more than one name (tied
-    parameters, shared modules): those are left to the full re-dispatch, which re-ties them."""
+class Walk(NamedTuple):
+    """One walk of a PEFT model's module tree, shared by the checks and the re-placement of a re-dispatch."""
+
+    tensors: List[Tuple[str, Any, bool]]  # (name, tensor, whether a tuner layer's own) under each tensor's first name
+    shared: set  # ids of tensors reachable under more than one name (tied parameters, shared modules)
+    names: List[str]  # every tensor name under every path: what a device map must cover
+    modules: Dict[int, Tuple[str, Any]]  # id -> (first name, module), in named_modules() order
+
+
+def _walk(model: Any) -> Walk:
+    """Every tensor under its first name (as ``named_parameters``/``named_buffers`` name it: a module's
+    first visit comes at the same point with or without revisits), the tensors reachable under several names
+    (left to the full re-dispatch, which re-ties them), every name, and every module under its first name."""
     from ._redispatch import module_tensors
 
     seen: Dict[int, str] = {}
     shared: set = set()
     out: List[Tuple[str, Any, bool]] = []
-    for name, tensor, is_adapter in module_tensors(model, remove_duplicate=False):
+    names: List[str] = []
+    modules: Dict[int, Tuple[str, Any]] = {}
+    for name, tensor, is_adapter in module_tensors(model, remove_duplicate=False, modules=modules):
+        names.append(name)
         if id(tensor) in seen:
             shared.add(id(tensor))
             continue
         seen[id(tensor)] = name
         out.append((name, tensor, is_adapter))
-    return out, shared
+    return Walk(out, shared, names, modules)
 
 
 def _moving_entries(current: Dict[str, Any], device_map: Dict[str, Any],
@@ -65,7 +76,7 @@ def _sub_map(key: str, device_map: Dict[str, Any]) -> Optional[Dict[str, Any]]:
 
 
 def apply(model: Any, base: Any, current: Dict[str, Any], device_map: Dict[str, Any], sources: Dict[str, Any],
-          options: Dict[str, Any], walked: Optional[Tuple[List[Tuple[str, Any, bool]], set]] = None) -> bool:
+          options: Dict[str, Any], walked: Optional[Walk] = None) -> bool:
     """Re-place ``model`` (dispatched as ``current`` says: the caller checked that its hooks serve
     it so) as ``device_map`` says, moving only what moves. False (nothing changed) where this
     cannot be done in place: another main device, a moving entry that is the model or its base, a
@@ -80,7 +91,8 @@ def apply(model: Any, base: Any, current: Dict[str, Any], device_map: Dict[str, 
     main = _main_device(device_map)
     if str(main) != str(_main_device(current)):
         return False
-    tensors, shared = walked if walked is not None else _walk(model)  # (the caller's walk of the unchanged model)
+    walked = walked if walked is not None else _walk(model)  # (the caller's walk of the unchanged model)
+    tensors, shared = walked.tensors, walked.shared
     moving = _moving_entries(current, device_map, tensors)
     if moving is None:
         return False

@@ -42,38 +42,49 @@ def _adapter_tensor_names(model: Any) -> set:
     return names
 
 
-def module_tensors(model: Any, remove_duplicate: bool = True) -> Iterator[Tuple[str, Any, bool]]:
+def module_tensors(model: Any, remove_duplicate: bool = True,
+                   modules: Optional[Dict[int, Tuple[str, Any]]] = None) -> Iterator[Tuple[str, Any, bool]]:
     """(name, tensor, whether it is a tuner layer's own tensor) for every parameter and buffer slot of
-    ``model``'s modules (``named_modules(remove_duplicate=...)``), in one walk of the module tree; a tensor
-    held by several modules comes once per holder."""
-    import torch
+    ``model``'s modules (``named_modules(remove_duplicate=...)``'s order and names), in one walk of the
+    module tree; a tensor held by several modules comes once per holder. A module is an adapter's when
+    its path, or an earlier path to it, passes through a tuner layer's adapter container (``lora_A``,
+    ``ia3_l``, ...). ``modules``, where given, gets every module under its first name (id -> (name, module)),
+    in ``named_modules()`` order."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    from metapatch._adapter_offload import named_modules
-
-    adapter_modules: set = set()
-    for module_name, module in named_modules(model, remove_duplicate=remove_duplicate):
-        if isinstance(module, BaseTunerLayer):
-            for attr in tuple(module.adapter_layer_names) + tuple(module.other_param_names):
-                part = getattr(module, attr, None)
-                if isinstance(part, torch.nn.Module):
-                    adapter_modules.update(id(m) for m in part.modules())
-        is_adapter = id(module) in adapter_modules
-        prefix = f"{module_name}." if module_name else ""
+    seen: set = set()
+    adapters: set = set()  # modules met under an adapter container: adapters' on every later path too
+    tuners: Dict[type, bool] = {}
+    stack = [("", model, False)]
+    while stack:
+        name, module, is_adapter = stack.pop()
+        if remove_duplicate:
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+        if modules is not None and id(module) not in modules:
+            modules[id(module)] = (name, module)
+        if is_adapter:
+            adapters.add(id(module))
+        elif adapters and id(module) in adapters:
+            is_adapter = True
+        prefix = f"{name}." if name else ""
         for store in (module._parameters, module._buffers):
             for tensor_name, tensor in store.items():
                 if tensor is not None:
                     yield prefix + tensor_name, tensor, is_adapter
-
-
-def _named_tensors(model: Any) -> Iterator[Tuple[str, Any, bool]]:
-    """Every parameter and buffer of ``model`` once, under its first name (as ``named_parameters`` /
-    ``named_buffers`` name them), in one walk (the check runs at every adapter load)."""
-    seen = set()
-    for name, tensor, is_adapter in module_tensors(model):
-        if id(tensor) not in seen:
-            seen.add(id(tensor))
-            yield name, tensor, is_adapter
+        children = module._modules
+        if not children:
+            continue
+        parts: Any = ()
+        if not is_adapter:
+            tuner = tuners.get(type(module))
+            if tuner is None:
+                tuner = tuners[type(module)] = issubclass(type(module), BaseTunerLayer)  # an ABC: asked once per class
+            if tuner:
+                parts = set(module.adapter_layer_names) | set(module.other_param_names)
+        stack.extend(reversed([(prefix + child_name, child, is_adapter or child_name in parts)
+                               for child_name, child in children.items() if child is not None]))
 
 
 def _place_tensors(model: Any, device_map: Dict[str, Any], sources: Dict[str, Any], offloaded_devices: set,
@@ -123,23 +134,43 @@ def _place_tensors(model: Any, device_map: Dict[str, Any], sources: Dict[str, An
 _NOT_A_PLACEMENT = {"offload_dir"}
 
 
+def placement_options(options: Dict[str, Any]) -> Dict[str, Any]:
+    """The PEFT call's options with ``device_map="auto"`` dropped where it comes without ``max_memory``:
+    that is what upstream's ``load_adapter`` uses when no ``device_map`` is given
+    (``kwargs.get("device_map", "auto")``), so upstream treats the two calls alike, and so does metapatch,
+    which keeps the base's dispatch for both. A budget (``max_memory``), an explicit map or another
+    strategy (``"balanced"``, ``"balanced_low_0"``, ``"sequential"``) is kept: a request for a placement."""
+    if options.get("device_map") == "auto" and options.get("max_memory") is None:
+        options = {key: value for key, value in options.items() if key not in ("device_map", "max_memory")}
+    return options
+
+
+def asks_for_placement(options: Dict[str, Any]) -> bool:
+    """Whether ``options`` (after :func:`placement_options`) ask for another placement than the base's
+    current dispatch. ``offload_dir`` alone does not: it names where tensors newly sent to disk would
+    go, and keeping the base's dispatch sends none there (peft's own error message tells users to pass
+    it)."""
+    return bool(set(options) - _NOT_A_PLACEMENT)
+
+
 def redispatch(model: Any, captured: Dict[int, Tuple[Any, Dict[str, Any]]], options: Dict[str, Any]) -> None:
     import torch
     from accelerate import dispatch_model
     from accelerate.hooks import AlignDevicesHook, add_hook_to_module, remove_hook_from_submodules
 
     base = base_model_of(model)
-    sources = _sources_by_name(model, captured)
-    # offload_dir alone asks for no placement: it names where tensors newly sent to disk would go,
-    # and keeping the base's dispatch sends none there (peft's own error message tells users to pass it).
-    asked = bool(set(options) - _NOT_A_PLACEMENT)
-    known: Dict[str, Any] = {}  # read of the model once for both maps (nothing changes it in between)
+    # The model is read once (one walk) for the sources and both maps: nothing changes it in between.
+    walk = _incremental._walk(model)
+    known: Dict[str, Any] = {"walk": walk, "names": walk.names}
+    sources = _sources_by_name(model, captured, walk.modules.values())
+    options = placement_options(options)
+    asked = asks_for_placement(options)
     current = _served_placement(model, base, sources, known)
     if current is not None and not asked:
         model.hf_device_map = current  # the adapters already follow their layers' hooks (inject_adapter)
         return
     device_map = new_placement(model, base, options, known)
-    # A placement asked for (device_map="auto", max_memory, ...): where it equals the current one
+    # A placement asked for (max_memory, an explicit map, ...): where it equals the current one
     # nothing moves; elsewhere only the entries whose tensors move are re-hooked.
     if current is not None and _incremental.apply(model, base, current, device_map, sources, options,
                                                   known.get("walk")):
@@ -179,18 +210,18 @@ def _served_placement(model: Any, base: Any, sources: Dict[str, Any],
     tensor no hook knows): the full re-dispatch."""
     from metapatch._tied_groups import entry_of
 
+    if known is None:
+        known = {}
+    # Every tensor under its first name (named_parameters' and named_buffers' names), from the walk the in-place
+    # re-placement needs too (kept for it), which also names every path for the map's coverage.
+    if "walk" not in known:
+        known["walk"] = _incremental._walk(model)
+        known.setdefault("names", known["walk"].names)
+    tensors = known["walk"].tensors
     device_map = new_placement(model, base, {}, known)
     main = _main_device(device_map)
     offloaded_devices = {"disk"} if str(main) in ("cpu", "mps") else {"cpu", "disk"}
     wanted: Dict[Any, Any] = {}  # placement -> its torch.device, made once (there are a few, and ~10 tensors per module)
-    if known is None:
-        tensors = list(_named_tensors(model))
-    else:
-        # Every tensor under its first name: what _named_tensors gives, from the walk the in-place
-        # re-placement needs too (kept for it).
-        if "walk" not in known:
-            known["walk"] = _incremental._walk(model)
-        tensors = known["walk"][0]
     for name, tensor, is_adapter in tensors:
         key = entry_of(device_map, name)  # the longest prefix, by dictionary look-ups
         where = None if key is None else device_map[key]

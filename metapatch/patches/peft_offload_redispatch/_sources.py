@@ -4,7 +4,7 @@ anyone removes them, and a state dict that reads through those same sources (not
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 # -- where offloaded tensors live ------------------------------------------------------------------
 
@@ -50,11 +50,11 @@ def _source(weights_map: Any, key: str) -> Optional[Tuple[Any, Optional[str]]]:
 def capture_sources(root: Any) -> Dict[int, Tuple[Any, Dict[str, Any]]]:
     """Where every tensor offloaded by an accelerate hook under ``root`` is read from, keyed by the
     module object (names change when PEFT wraps a layer; the module does not)."""
-    from metapatch._adapter_offload import named_modules
     from metapatch._hook_state import offload_hooks
+    from metapatch._module_walk import modules
 
     found: Dict[int, Tuple[Any, Dict[str, Any]]] = {}
-    for _, module in named_modules(root):
+    for module in modules(root):
         if "_hf_hook" not in module.__dict__:
             continue
         for hook in offload_hooks(module):
@@ -70,11 +70,14 @@ def capture_sources(root: Any) -> Dict[int, Tuple[Any, Dict[str, Any]]]:
     return found
 
 
-def _sources_by_name(model: Any, captured: Dict[int, Tuple[Any, Dict[str, Any]]]) -> Dict[str, Any]:
+def _sources_by_name(model: Any, captured: Dict[int, Tuple[Any, Dict[str, Any]]],
+                     modules: Optional[Iterable[Tuple[str, Any]]] = None) -> Dict[str, Any]:
+    """The captured sources under the tensors' current names. ``modules``: ``named_modules(model)``,
+    where the caller has walked the model already."""
     from metapatch._adapter_offload import named_modules
 
     named = {}
-    for module_name, module in named_modules(model):
+    for module_name, module in (named_modules(model) if modules is None else modules):
         entry = captured.get(id(module))
         if entry is not None:
             for tensor_name, source in entry[1].items():

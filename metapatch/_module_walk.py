@@ -1,0 +1,48 @@
+"""The one walk of a module tree that metapatch's hot paths share.
+
+``torch.nn.Module.named_modules`` nests one generator per level (its cost grows with depth for every
+module) and keeps its memo by hashing modules, which fails for a module class that defines ``__eq__``
+without ``__hash__`` (a dataclass module), while torch itself never hashes a module it moves. Adapter
+loads over an offloaded base, map inference and the move guard walk whole models several times.
+
+Import-cheap: nothing from torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Tuple
+
+
+def named_modules(root: Any, remove_duplicate: bool = True) -> List[Tuple[str, Any]]:
+    """``root.named_modules(remove_duplicate=...)``: the same names in the same order (pre-order), by
+    an explicit stack, with modules told apart by identity."""
+    found, seen, stack = [], set(), [("", root)]
+    while stack:
+        name, module = stack.pop()
+        if remove_duplicate:
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+        found.append((name, module))
+        children = module._modules
+        if children:
+            prefix = name + "." if name else ""
+            stack.extend(reversed([(prefix + child_name, child) for child_name, child in children.items()
+                                   if child is not None]))
+    return found
+
+
+def modules(root: Any) -> List[Any]:
+    """``list(root.modules())`` (pre-order, each module once, told apart by identity), without the
+    names: for the passes that only look at the modules themselves."""
+    found, seen, stack = [], set(), [root]
+    while stack:
+        module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        found.append(module)
+        children = module._modules
+        if children:
+            stack.extend(reversed([child for child in children.values() if child is not None]))
+    return found
