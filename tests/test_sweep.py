@@ -166,3 +166,48 @@ def test_committed_sweep_tables_are_whole(name):
     broken = re.search(r"## Architectures that do not build or run in memory \((\d+)\)\n\n.*?\n\n((?:- .*\n)*)", text)
     assert broken, name
     assert len(broken.group(2).splitlines()) == int(broken.group(1)), name
+
+
+@pytest.mark.parametrize("class_name", ["Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "JambaForCausalLM",
+                                        "BailingHybridForCausalLM"])
+def test_hybrids_keep_one_layer_of_each_kind_and_generate(class_name):
+    """Shrunk to two layers by the layer-count rule alone, a linear/full-attention hybrid came out all linear
+    attention and generate() failed in memory (``get_seq_length can only be called on Attention layers``):
+    Qwen3-Next, Qwen3.5 (also built from its composite config before: no ``vocab_size``), Jamba and
+    Bailing-Hybrid were listed as not building. Each now keeps one layer of each kind and generates."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    from transformers import CONFIG_MAPPING
+
+    from metapatch.sweep import shrink
+
+    if not hasattr(transformers, class_name):
+        pytest.skip(f"transformers {transformers.__version__} has no {class_name}")
+    model_type = dict(sweep.architectures())[class_name]
+    default_kinds = set(getattr(CONFIG_MAPPING[model_type](), "layer_types", None) or ())
+    config = shrink.tiny_config(CONFIG_MAPPING[model_type])
+    kinds = getattr(config, "layer_types", None) or ()
+    if default_kinds:  # (Jamba on 4.57 derives its kinds from attn_layer_period/offset alone)
+        assert len(set(kinds)) == len(default_kinds) > 1, (kinds, default_kinds)
+    torch.manual_seed(0)
+    model = getattr(transformers, class_name)(config).eval()
+    assert sum(p.numel() for p in model.parameters()) < 5_000_000
+    ids = torch.randint(4, 200, (1, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, min_new_tokens=3,
+                             do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 11)
+
+
+def test_each_class_is_swept_with_its_own_config_class():
+    """A class mapped from several model types is built from the one whose config class is its own:
+    LlamaForCausalLM was swept with Exaone's config (the first type mapped to it), Qwen3.5's and Llama 4's
+    causal LMs with their composite configs, which they cannot be built from."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    chosen = dict(sweep.architectures())
+    assert chosen["LlamaForCausalLM"] == "llama"
+    for name in ("Qwen3_5ForCausalLM", "Llama4ForCausalLM"):
+        if name in chosen:
+            assert CONFIG_MAPPING_NAMES[chosen[name]] == getattr(transformers, name).config_class.__name__

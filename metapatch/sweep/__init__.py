@@ -26,13 +26,33 @@ def architectures() -> List[Tuple[str, str]]:
     """(model class name, model_type) for every causal-LM and seq2seq-LM mapping entry, sorted."""
     from transformers.models.auto import modeling_auto
 
-    rows: Dict[str, str] = {}
+    rows: Dict[str, List[str]] = {}
     for mapping in (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
                     modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES):
         for model_type, names in mapping.items():
             for name in (names,) if isinstance(names, str) else names:
-                rows.setdefault(name, model_type)
-    return sorted(rows.items(), key=lambda item: item[0].lower())
+                rows.setdefault(name, []).append(model_type)
+    return sorted(((name, _own_model_type(name, types)) for name, types in rows.items()),
+                  key=lambda item: item[0].lower())
+
+
+def _own_model_type(class_name: str, model_types: List[str]) -> str:
+    """Of the model types mapped to ``class_name``, the one whose config class is the model class's own
+    (``LlamaForCausalLM``: ``llama``, not ``exaone``; ``Qwen3_5ForCausalLM``: ``qwen3_5_text``, not the
+    composite ``qwen3_5``, which that class cannot be built from); the first where none is or the class
+    does not import."""
+    if len(model_types) == 1:
+        return model_types[0]
+    try:
+        import transformers
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+        own = getattr(transformers, class_name).config_class
+    except Exception:  # noqa: BLE001 - a class that does not import keeps the first type (its row says why)
+        return model_types[0]
+    if getattr(own, "model_type", None) in model_types:
+        return own.model_type
+    return next((t for t in model_types if CONFIG_MAPPING_NAMES.get(t) == own.__name__), model_types[0])
 
 
 def versions() -> Dict[str, str]:

@@ -5,7 +5,8 @@ says what it sizes is shrunk (rules below, first match wins), and the class is b
 that dict, so ``__init__`` re-derives what depends on the sizes (``layer_types``, head dims,
 rope parameters). Nested sub-configs (``text_config``, ``vision_config``, ``encoder``...) are
 shrunk the same way. Derived lists whose length follows the layer count are dropped so that
-``__init__`` recomputes them (so are lists and dicts whose key names a layer); token ids above the shrunk vocabulary are moved inside it. A config
+``__init__`` recomputes them (so are lists and dicts whose key names a layer), except a ``layer_types``
+of several kinds, which keeps one layer of each; token ids above the shrunk vocabulary are moved inside it. A config
 this cannot shrink consistently fails to build or run in memory, and the sweep lists it with
 the error (docs/sweep.md, "cannot build").
 """
@@ -46,6 +47,9 @@ RULES: List[_Rule] = [
     (r"^image_size$", 32),
     (r"^patch_size$", 8),
     (r"num_codebooks$", 2),
+    # Jamba-style hybrids: attention every ``period`` layers from ``offset``; 2 layers keep one of each kind.
+    (r"^attn_layer_period$", 2),
+    (r"^attn_layer_offset$", 1),
 ]
 _COMPILED = [(re.compile(pattern), value) for pattern, value in RULES]
 
@@ -92,12 +96,30 @@ def _generation_defaults() -> Dict[str, Any]:
     return dict(getter()) if callable(getter) else {}
 
 
+def _one_layer_of_each_kind(value: Any) -> Any:
+    """``layer_types`` of several kinds (linear and full attention, sliding and full), cut to one layer of
+    each kind in order of first appearance: left to ``__init__``, two layers of a hybrid come out all
+    linear attention (Qwen3-Next, Qwen3.5, Kimi-Linear: generate() then fails in memory) or all sliding
+    (Gemma 2/3: the full-attention layers go unmeasured). None where the kinds do not fit in ``LAYERS``."""
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
+        kinds = list(dict.fromkeys(value))
+        if 1 < len(kinds) <= LAYERS:
+            return kinds + [kinds[0]] * (LAYERS - len(kinds))
+    return None
+
+
 def shrink_dict(values: Dict[str, Any]) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     generation = _generation_defaults()
     for key, value in values.items():
         if key in generation and value == generation[key]:
             out[key] = value
+            continue
+        if key == "use_mamba_kernels":  # CUDA-only kernels (transformers 4.x Jamba): the sweep runs on CPU
+            out[key] = False
+            continue
+        if key == "layer_types" and _one_layer_of_each_kind(value) is not None:
+            out[key] = _one_layer_of_each_kind(value)
             continue
         if isinstance(value, (list, tuple, dict)) and (_DERIVED_LISTS.search(str(key)) or "layer" in str(key)):
             continue  # sized or keyed by the layer count (layer_types, per_layer_config): __init__ derives it again
