@@ -9,12 +9,14 @@ Under ``include_buffers=True`` every buffer is computed on meta, and a non-persi
 Three wrappers:
 - ``init_on_device`` (so ``init_empty_weights``, either ``include_buffers``) records the constructor
   arguments of each module built inside it (``metapatch._buffer_rebuild.capture_constructors``);
-- ``Module.to_empty`` on such a model records the non-persistent buffers it replaced with
-  uninitialised memory (tensor and ``_version``): with ``include_buffers=False`` they held their real
-  value until then (huggingface/transformers#34234);
+- ``Module.to_empty`` on such a model (or on a transformers model built under ``torch.device("meta")``,
+  whose config rebuilds them) gives the non-persistent buffers it replaced with uninitialised
+  memory their constructor's value at once (with ``include_buffers=False`` they held their real value
+  until then, huggingface/transformers#34234; a model then loaded with torch's own ``load_state_dict``
+  never passes through accelerate); one that cannot be recomputed is recorded (tensor and ``_version``);
 - ``load_checkpoint_in_model`` (so ``load_checkpoint_and_dispatch`` too) on such a model refills, after
-  loading, each non-persistent buffer still on meta or still the unwritten ``to_empty`` tensor, with
-  the value of its module's constructor run again with parameters on meta; one that cannot be
+  loading, each non-persistent buffer still on meta or still an unwritten recorded ``to_empty`` tensor,
+  with the value of its module's constructor run again with parameters on meta; one that cannot be
   recomputed raises ``MetapatchError`` naming it.
 A model not built under ``init_empty_weights`` / ``init_on_device`` (nothing recorded) calls upstream
 untouched, and so does a load that leaves no buffer on meta or unwritten after ``to_empty``.
@@ -27,7 +29,7 @@ import weakref
 from typing import Any, Iterator
 
 from metapatch._calls import signature_of
-from metapatch._records import Patch, Target, Upstream
+from metapatch._records import MetapatchError, Patch, Target, Upstream
 from metapatch._shared_targets import shared_fingerprints
 
 PATCH_ID = "empty-init-nonpersistent-buffers"
@@ -54,15 +56,47 @@ def _built_empty(module: Any) -> bool:
     return module in CONSTRUCTED
 
 
+def _meta_non_persistent(model: Any) -> bool:
+    """Whether a non-persistent buffer of ``model`` is on meta (it was built on the meta device)."""
+    from metapatch._module_walk import modules
+
+    return any(module._buffers.get(name) is not None and module._buffers[name].is_meta
+               for module in modules(model) for name in module._non_persistent_buffers_set)
+
+
 def _to_empty(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    if instance is None or not _built_empty(instance):
+    if instance is None:
         return wrapped(*args, **kwargs)
-    from metapatch._buffer_rebuild import record
+    if not _built_empty(instance):
+        # Built under ``torch.device("meta")`` (FSDP2 meta init, torchtitan, transformers#45902): no
+        # constructor was recorded; a transformers model's config rebuilds the values. What it cannot
+        # recompute is left to the caller, as torch leaves it.
+        if not _meta_non_persistent(instance):
+            return wrapped(*args, **kwargs)
+        from metapatch._buffer_rebuild import record, refill
+
+        pending = record(instance, only_meta=True)
+        result = wrapped(*args, **kwargs)
+        emptied = [(q, owner, name, owner._buffers[name], owner._buffers[name]._version)
+                   for q, owner, name, _, _ in pending if owner._buffers.get(name) is not None]
+        try:
+            refill(instance, emptied, "a model built on the meta device and to_empty")
+        except MetapatchError:
+            pass
+        return result
+    from metapatch._buffer_rebuild import record, refill, unset
 
     result = wrapped(*args, **kwargs)
     emptied = [p for p in record(instance) if not p[3].is_meta]
     if emptied:
-        _EMPTIED.setdefault(instance, []).extend(emptied)
+        # Refilled now, not at a later load_checkpoint_in_model: no checkpoint holds them, and the model may
+        # be loaded with torch's own load_state_dict (the meta-init + to_empty flow of FSDP2 and torchtitan),
+        # which metapatch does not see. What cannot be recomputed stays recorded: a later
+        # load_checkpoint_in_model refuses it by name; to_empty itself never raises for it.
+        try:
+            refill(instance, emptied, "init_empty_weights and to_empty")
+        except MetapatchError:
+            _EMPTIED.setdefault(instance, []).extend(unset(emptied))
     return result
 
 

@@ -84,6 +84,42 @@ def to_empty_dispatch(workdir: Path) -> Dict[str, Any]:
     return _equal_logits(got, want)
 
 
+def to_empty_load_state_dict(workdir: Path) -> Dict[str, Any]:
+    """The torch-native flow (FSDP2 meta init, torchtitan, transformers#45902): build empty, to_empty(),
+    then torch's own load_state_dict; accelerate's loader never runs."""
+    import torch
+    from safetensors.torch import load_file
+
+    want = _reference_llama(workdir)
+    model = _empty_llama()
+    with nan_sentinel():
+        model.to_empty(device="cpu")
+    model.load_state_dict(load_file(str(workdir / "ckpt" / "model.safetensors")), strict=False)
+    model.tie_weights()
+    with torch.no_grad():
+        got = model.eval()(input_ids()).logits
+    return _equal_logits(got, want)
+
+
+def meta_device_to_empty(workdir: Path) -> Dict[str, Any]:
+    """Built under torch's own meta device context (transformers#45902: Qwen3.5-MoE's rotary table), then
+    to_empty() and load_state_dict: no accelerate anywhere."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    want = _reference_llama(workdir)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(tiny_llama_config())
+    with nan_sentinel():
+        model.to_empty(device="cpu")
+    model.load_state_dict(load_file(str(workdir / "ckpt" / "model.safetensors")), strict=False)
+    model.tie_weights()
+    with torch.no_grad():
+        got = model.eval()(input_ids()).logits
+    return _equal_logits(got, want)
+
+
 SCENARIOS = [
     Scenario(EMPTY_INIT, "include-buffers-dispatch", f"{__name__}:include_buffers_dispatch",
              "LlamaForCausalLM built with init_empty_weights(include_buffers=True), load_checkpoint_and_dispatch over "
@@ -93,4 +129,12 @@ SCENARIOS = [
              "the same model after to_empty(device='cpu'), load_checkpoint_and_dispatch: logits equal the in-memory "
              "model (unpatched: inv_freq is to_empty memory)",
              expected_error="AssertionError"),
+    Scenario(EMPTY_INIT, "to-empty-load-state-dict", f"{__name__}:to_empty_load_state_dict",
+             "the same model after to_empty(device='cpu') loaded with torch's load_state_dict (no accelerate loader): "
+             "logits equal the in-memory model (unpatched: inv_freq is to_empty memory, the logits differ)",
+             expected_error="AssertionError", expected_message="logits differ"),
+    Scenario(EMPTY_INIT, "meta-device-to-empty", f"{__name__}:meta_device_to_empty",
+             "LlamaForCausalLM built under torch.device('meta'), to_empty(device='cpu'), torch's load_state_dict: "
+             "logits equal the in-memory model (unpatched: inv_freq is to_empty memory, transformers#45902)",
+             expected_error="AssertionError", expected_message="logits differ"),
 ]

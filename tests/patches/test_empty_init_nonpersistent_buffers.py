@@ -11,13 +11,14 @@ from metapatch.patches.empty_init_nonpersistent_buffers import PATCH as EMPTY_IN
 
 from _three_way import ThreeWayCase, explain  # tests/patches/_three_way.py
 
-# The accelerate diff cannot see torch's to_empty(): with the diff alone that flow keeps to_empty memory.
-DIFF_DOES_LESS = {"to-empty-dispatch"}
+# The accelerate diff cannot see torch's to_empty(): with the diff alone those flows keep to_empty memory.
+DIFF_DOES_LESS = {"to-empty-dispatch", "to-empty-load-state-dict", "meta-device-to-empty"}
 
 
 class TestThreeWay(ThreeWayCase):
     patch_ids = (EMPTY_INIT.id,)
-    names = {EMPTY_INIT.id: {"include-buffers-dispatch", "to-empty-dispatch"}}
+    names = {EMPTY_INIT.id: {"include-buffers-dispatch", "to-empty-dispatch", "to-empty-load-state-dict",
+                             "meta-device-to-empty"}}
 
     @pytest.mark.slow
     def test_upstream_diff_alone(self, runs, scenario):
@@ -107,9 +108,26 @@ def test_to_empty_after_include_buffers_false_is_refilled(tmp_path):
     assert not empty.table.inv_freq.is_meta
     with nan_sentinel():
         empty.to_empty(device="cpu")
-    assert empty.table.inv_freq.isnan().all()
+    assert torch.equal(empty.table.inv_freq, reference.table.inv_freq)  # refilled by to_empty itself
     empty = load_checkpoint_and_dispatch(empty, str(tmp_path / "model.safetensors"), device_map={"": "cpu"})
     assert torch.equal(empty.table.inv_freq, reference.table.inv_freq)
+
+
+def test_to_empty_keeps_what_it_cannot_recompute_for_the_load_to_refuse(tmp_path):
+    """A buffer whose constructor cannot be run again: to_empty() does not raise (the user may set it), and
+    load_checkpoint_in_model refuses it by name, as before."""
+    from accelerate import init_empty_weights, load_checkpoint_in_model
+
+    _save_plain(tmp_path)
+    with init_empty_weights():
+        empty = _Plain(16, base=50.0)
+    _buffer_rebuild.CONSTRUCTED.pop(empty.table, None)  # as if its constructor had not been recorded
+    empty.__dict__.pop("config", None)
+    with nan_sentinel():
+        empty.to_empty(device="cpu")
+    assert empty.table.inv_freq.isnan().all()
+    with pytest.raises(metapatch.MetapatchError, match=r"table\.inv_freq \(_Table\)"):
+        load_checkpoint_in_model(empty, str(tmp_path / "model.safetensors"), device_map={"proj": "cpu", "table": "cpu"})
 
 
 def test_nothing_recorded_for_a_model_built_normally(tmp_path, monkeypatch):
@@ -156,3 +174,30 @@ def test_decorated_constructor_is_captured_without_self():
         module = Decorated(16, base=7.0)
     assert _buffer_rebuild.CONSTRUCTED[module] == ((16,), {"base": 7.0})
     assert torch.equal(_buffer_rebuild._buffers_by_constructor(module, None)["inv_freq"], _Table(16, base=7.0).inv_freq)
+
+
+def test_a_plain_module_built_on_meta_is_left_as_torch_leaves_it():
+    """Built under torch.device("meta") without a transformers config: nothing can recompute its table, and
+    to_empty() neither raises nor records it (a later load_checkpoint_in_model is upstream's, untouched)."""
+    from metapatch.patches import empty_init_nonpersistent_buffers as patch
+
+    with torch.device("meta"):
+        model = _Plain(16, base=50.0)
+    with nan_sentinel():
+        model.to_empty(device="cpu")
+    assert model.table.inv_freq.isnan().all() and model not in patch._EMPTIED
+
+
+def test_a_transformers_model_built_on_meta_gets_its_table_back_at_to_empty():
+    """No constructor recorded (torch's meta device, not init_empty_weights): the model's config rebuilds the
+    rotary table that to_empty() turned into uninitialised memory."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=64)
+    reference = LlamaForCausalLM(config).model.rotary_emb.inv_freq
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    with nan_sentinel():
+        model.to_empty(device="cpu")
+    assert torch.equal(model.model.rotary_emb.inv_freq, reference)
