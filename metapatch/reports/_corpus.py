@@ -228,6 +228,36 @@ REPORTS = (
            "gemma4-offloaded-embeddings", (_EXPECTED_META, _NEED_VALUE, _COPY_OUT), FIXED_BY_METAPATCH,
            "gemma4-offloaded-embeddings keeps the embedding's offloaded weight loaded for the forward's direct reads.",
            _T + "gemma4_pad_embedding_offloaded", patch="gemma4-offloaded-embeddings", frames=("transformers.models.gemma4.modeling_gemma4:Gemma4Model.forward",)),
+    Report("mlcommons-inference-1751-channels-last-offloaded", "https://github.com/mlcommons/inference/issues/1751",
+           "Mixtral reference implementation fails on CPU", "mlcommons/inference",
+           "Mixtral-8x7B reference SUT, transformers/accelerate of 2024-06, Python 3.12",
+           "model.to(memory_format=torch.channels_last) on a model with offloaded parts: accelerate's blanket guard "
+           "refuses every .to of an offloaded model, though a conversion moves nothing",
+           "offloaded-dtype-conversion", (r"You can't move a model that has some modules offloaded",), FIXED_BY_METAPATCH,
+           "offloaded-dtype-conversion applies dtype and memory-format conversions to the offloaded weights as they "
+           "are loaded; outputs equal converting the in-memory model first.",
+           _T + "mixtral_channels_last_offloaded", patch="offloaded-dtype-conversion",
+           frames=("accelerate.big_modeling:dispatch_model",)),
+    Report("transformers-31560-detr-query-embeddings-offloaded", "https://github.com/huggingface/transformers/issues/31560",
+           "NotImplementedError: Cannot copy out of meta tensor; no data when embedding to meta",
+           "huggingface/transformers", "transformers 4.39.0, accelerate 0.31.0",
+           "DeformableDetrModel.forward reads query_position_embeddings.weight outside the embedding's hook: the "
+           "meta placeholder when that embedding is offloaded",
+           "offloaded-outside-reads", (_COPY_OUT, _EXPECTED_META), FIXED_BY_METAPATCH,
+           "offloaded-outside-reads finds the read in DeformableDetrModel.forward's source at dispatch and serves "
+           "the embedding's weight while that forward runs.",
+           _T + "deformable_detr_query_embeddings_offloaded", patch="offloaded-outside-reads",
+           frames=("transformers.models.deformable_detr.modeling_deformable_detr:DeformableDetrModel.forward",)),
+    Report("transformers-45902-meta-to-empty-rotary", "https://github.com/huggingface/transformers/issues/45902",
+           "`Qwen3_5MoeTextRotaryEmbedding.inv_freq` reads uninitialized memory after `meta \u2192 to_empty(cuda)` "
+           "materialization", "huggingface/transformers", "transformers main (2026-05), Qwen3.5-MoE",
+           "a model built on the meta device: to_empty() gives its non-persistent rotary tables uninitialised memory, "
+           "and no checkpoint holds them",
+           "empty-init-nonpersistent-buffers", (_DIFFERS, r"\bnan\b"), FIXED_BY_METAPATCH,
+           "empty-init-nonpersistent-buffers: to_empty() gives every non-persistent buffer it turns from meta into "
+           "memory its constructor's value (the model's config rebuilt with parameters on meta).",
+           _T + "qwen3_5_moe_meta_to_empty", patch="empty-init-nonpersistent-buffers",
+           frames=("torch.nn.modules.module:Module.to_empty",)),
     Report("transformers-47333-save-disk-offloaded-moe", "https://github.com/huggingface/transformers/issues/47333",
            "[Offloading] Cannot save disk-offloaded `Qwen/Qwen3-30B-A3B`", "huggingface/transformers",
            "transformers 5.13.0.dev0, accelerate 1.15.0.dev0",

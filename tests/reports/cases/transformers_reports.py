@@ -218,3 +218,65 @@ def nonpersistent_buffer_from_pretrained(workdir: Path) -> Dict[str, Any]:
     ids = input_ids()
     return {"max_abs_diff": assert_matches(logits(model, ids), logits(reference, ids),
                                            "a custom model with a non-persistent buffer after from_pretrained")}
+
+
+def mixtral_channels_last_offloaded(workdir: Path) -> Dict[str, Any]:
+    """mlcommons/inference#1751: the Mixtral reference implementation loads with a device map that
+    offloads, then calls ``model.to(memory_format=torch.channels_last)``: accelerate refuses any ``.to``
+    of an offloaded model, though nothing would move."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(**_tiny_text(num_local_experts=4, num_experts_per_tok=2))
+    ckpt = cached(workdir, "mixtral", lambda p: save_random(MixtralForCausalLM, config, p))
+    reference = MixtralForCausalLM.from_pretrained(ckpt).eval().to(memory_format=torch.channels_last)
+    model = MixtralForCausalLM.from_pretrained(ckpt, device_map=LLAMA_DISK_MAP, offload_folder=offload(workdir)).eval()
+    model = model.to(memory_format=torch.channels_last)
+    return {"max_abs_diff": assert_matches(logits(model), logits(reference), "Mixtral after .to(memory_format=...)")}
+
+
+def deformable_detr_query_embeddings_offloaded(workdir: Path) -> Dict[str, Any]:
+    """transformers#31560: DeformableDetrModel.forward reads ``query_position_embeddings.weight`` itself (the
+    embedding's own forward never runs); with that embedding offloaded the read is the meta placeholder."""
+    from transformers import DeformableDetrConfig, DeformableDetrModel, ResNetConfig
+
+    backbone = ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16, 16, 16], depths=[1, 1, 1, 1],
+                            out_features=["stage2", "stage3", "stage4"])
+    config = DeformableDetrConfig(use_timm_backbone=False, backbone_config=backbone, d_model=32, encoder_layers=1,
+                                  decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
+                                  encoder_ffn_dim=32, decoder_ffn_dim=32, num_queries=10, num_feature_levels=3,
+                                  encoder_n_points=2, decoder_n_points=2)
+    ckpt = cached(workdir, "deformable-detr", lambda p: save_random(DeformableDetrModel, config, p))
+    pixels = torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+
+    def hidden(model: Any) -> Any:
+        with torch.no_grad():
+            return model(pixel_values=pixels).last_hidden_state
+
+    reference = DeformableDetrModel.from_pretrained(ckpt).eval()
+    device_map = {name: "cpu" for name, _ in reference.named_children()}
+    device_map.update({name: "cpu" for name, _ in reference.named_parameters(recurse=False)})  # level_embed
+    device_map["query_position_embeddings"] = "disk"
+    model = DeformableDetrModel.from_pretrained(ckpt, device_map=device_map, offload_folder=offload(workdir)).eval()
+    return {"max_abs_diff": assert_matches(hidden(model), hidden(reference), "Deformable DETR, query embeddings on disk")}
+
+
+def qwen3_5_moe_meta_to_empty(workdir: Path) -> Dict[str, Any]:
+    """transformers#45902: ``Qwen3_5MoeTextRotaryEmbedding.inv_freq`` is uninitialised memory after building
+    on the meta device and ``to_empty()`` (NaN cos/sin for the reporter); the weights are then loaded with
+    torch's own ``load_state_dict``."""
+    require(transformers, "Qwen3_5MoeForCausalLM")
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    from metapatch.selftest._models import nan_sentinel
+
+    config = Qwen3_5MoeTextConfig(**_tiny_text(num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
+                                               moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                                               layer_types=["linear_attention", "full_attention"]))
+    torch.manual_seed(0)
+    reference = Qwen3_5MoeForCausalLM(config).eval()
+    with torch.device("meta"):
+        model = Qwen3_5MoeForCausalLM(config)
+    with nan_sentinel():
+        model.to_empty(device="cpu")
+    model.load_state_dict(reference.state_dict())
+    return {"max_abs_diff": assert_matches(logits(model.eval()), logits(reference), "Qwen3.5-MoE after meta + to_empty")}
