@@ -10,7 +10,7 @@ from typing import Any, Dict
 import torch
 from torch import nn
 
-from _tiny import LLAMA_DISK_MAP, assert_matches, cached, llama, logits, meta_names, offload, save_random, tiny_llama_config
+from _tiny import LLAMA_DISK_MAP, assert_matches, cached, llama, logits, meta_names, offload, tiny_llama_config
 
 
 def get_module_size_with_ties_prefix(workdir: Path) -> Dict[str, Any]:
