@@ -211,19 +211,7 @@ def _adapter_modules(layer: Any) -> List[Any]:
     base_layer = base_layer_of(layer)
     if base_layer is layer:
         return []
-    found, seen, stack = [], {id(base_layer)}, [("", layer)]
-    while stack:
-        name, module = stack.pop()
-        if id(module) in seen:
-            continue
-        seen.add(id(module))
-        found.append((name, module))
-        children = module._modules
-        if children:
-            prefix = name + "." if name else ""
-            stack.extend(reversed([(prefix + child_name, child) for child_name, child in children.items()
-                                   if child is not None]))
-    return found
+    return named_modules(layer, exclude=(base_layer,))
 
 
 def _own_tensors(module: Any) -> List[Tuple[str, Any]]:

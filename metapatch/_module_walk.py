@@ -10,19 +10,21 @@ Import-cheap: nothing from torch.
 
 from __future__ import annotations
 
-from typing import Any, List, Tuple
+from typing import Any, Iterable, List, Tuple
 
 
-def named_modules(root: Any, remove_duplicate: bool = True) -> List[Tuple[str, Any]]:
+def named_modules(root: Any, remove_duplicate: bool = True, exclude: Iterable[Any] = ()) -> List[Tuple[str, Any]]:
     """``root.named_modules(remove_duplicate=...)``: the same names in the same order (pre-order), by
-    an explicit stack, with modules told apart by identity."""
-    found, seen, stack = [], set(), [("", root)]
+    an explicit stack, with modules told apart by identity. A module in ``exclude`` is neither listed nor
+    entered (a tuner layer's modules without its base layer's)."""
+    found, seen, stack = [], {id(module) for module in exclude}, [("", root)]
     while stack:
         name, module = stack.pop()
-        if remove_duplicate:
+        if remove_duplicate or seen:
             if id(module) in seen:
                 continue
-            seen.add(id(module))
+            if remove_duplicate:
+                seen.add(id(module))
         found.append((name, module))
         children = module._modules
         if children:

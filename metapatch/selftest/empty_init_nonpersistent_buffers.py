@@ -87,37 +87,34 @@ def to_empty_dispatch(workdir: Path) -> Dict[str, Any]:
 def to_empty_load_state_dict(workdir: Path) -> Dict[str, Any]:
     """The torch-native flow (FSDP2 meta init, torchtitan, transformers#45902): build empty, to_empty(),
     then torch's own load_state_dict; accelerate's loader never runs."""
-    import torch
-    from safetensors.torch import load_file
-
     want = _reference_llama(workdir)
-    model = _empty_llama()
-    with nan_sentinel():
-        model.to_empty(device="cpu")
-    model.load_state_dict(load_file(str(workdir / "ckpt" / "model.safetensors")), strict=False)
-    model.tie_weights()
-    with torch.no_grad():
-        got = model.eval()(input_ids()).logits
-    return _equal_logits(got, want)
+    return _equal_logits(_torch_loaded_logits(_empty_llama(), workdir), want)
 
 
 def meta_device_to_empty(workdir: Path) -> Dict[str, Any]:
     """Built under torch's own meta device context (transformers#45902: Qwen3.5-MoE's rotary table), then
     to_empty() and load_state_dict: no accelerate anywhere."""
     import torch
-    from safetensors.torch import load_file
     from transformers import LlamaForCausalLM
 
     want = _reference_llama(workdir)
     with torch.device("meta"):
         model = LlamaForCausalLM(tiny_llama_config())
+    return _equal_logits(_torch_loaded_logits(model, workdir), want)
+
+
+def _torch_loaded_logits(model: Any, workdir: Path) -> Any:
+    """``to_empty()`` (uninitialised memory filled with NaN), then torch's own ``load_state_dict`` of the
+    saved checkpoint: accelerate's loader never runs."""
+    import torch
+    from safetensors.torch import load_file
+
     with nan_sentinel():
         model.to_empty(device="cpu")
     model.load_state_dict(load_file(str(workdir / "ckpt" / "model.safetensors")), strict=False)
     model.tie_weights()
     with torch.no_grad():
-        got = model.eval()(input_ids()).logits
-    return _equal_logits(got, want)
+        return model.eval()(input_ids()).logits
 
 
 SCENARIOS = [
