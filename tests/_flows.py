@@ -157,6 +157,7 @@ def make_machine(inits: tuple = INITS):
             self.off = self._load_offloaded()
             self.peft = False  # PeftModel (True) or a transformers model (False)
             self.adapters: List[str] = []
+            self.kinds: Dict[str, str] = {}  # adapter name -> its tuner kind
             self.saved: List[Path] = []
             self.vocab = self.ref.config.vocab_size
             self.done = False
@@ -241,6 +242,7 @@ def make_machine(inits: tuple = INITS):
                 self.ref, self.off = pair
                 self.peft = self.peft or isinstance(self.ref, peft.PeftModel)
                 self.adapters.append(name)
+                self.kinds[name] = spec["kind"]
 
         @precondition(lambda self: not self.done and len(self.adapters) > 1)
         @rule(data=st.data())
@@ -309,6 +311,14 @@ def make_machine(inits: tuple = INITS):
             import peft
             import torch
             from safetensors.torch import load_file
+
+            if entry == "load_adapter" and self.kinds.get(self.ref.active_adapter) == "dora":
+                # transformers' load_adapter does not load DoRA's magnitude vector (its load report lists
+                # `lora_magnitude_vector.<name>` unexpected and `.weight` missing, newly initialised): the in-memory
+                # and the dispatched reload both differ from the saved adapter, and from each other wherever a
+                # device_map is given, offloaded or not, metapatch active or not. An upstream key-mapping bug
+                # (tests/test_flows.py pins it), not a meta-device one: this adapter is reloaded through PEFT.
+                entry = "PeftModel.from_pretrained"
 
             index = len(self.saved)
             folders = {}
