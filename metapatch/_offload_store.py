@@ -95,11 +95,8 @@ def mark_tied(model: Any) -> None:
         for name in group:
             owner, _, local = name.rpartition(".")
             members.setdefault(owner, set()).add(local)
-    if not members:
-        return
-    for name, module in model.named_modules():
-        if name in members:
-            module.__dict__[TIED_MARK] = frozenset(members[name])
+    for name, locals_ in members.items():  # looked up by name: a walk of the whole model cost more
+        submodule(model, name).__dict__[TIED_MARK] = frozenset(locals_)
 
 
 def keep(hook: Any, name: str, tensor: Any) -> None:
