@@ -30,7 +30,8 @@ def _declared_mappings(model: Any) -> Iterable[Tuple[str, Mapping[str, str]]]:
 
     transformers expands regex ``_tied_weights_keys`` once, in ``post_init``, into
     ``all_tied_weights_keys`` (submodels included), so reading it costs nothing; a module nested
-    inside such a model is covered by its parent's mapping and skipped."""
+    inside such a model is covered by its parent's mapping and not walked (an empty mapping covers
+    nothing: transformers gathers only its direct children's)."""
     stack, seen = [("", model)], set()
     while stack:  # pre-order, as named_modules; a declaring module's subtree is not entered
         prefix, module = stack.pop()
@@ -45,7 +46,7 @@ def _declared_mappings(model: Any) -> Iterable[Tuple[str, Mapping[str, str]]]:
                     mapping = module.get_expanded_tied_weights_keys(all_submodels=True)
                 except Exception:  # an exotic model whose expansion fails still gets identity ties
                     mapping = None
-        if isinstance(mapping, Mapping) and mapping:
+        if mapping is not None and isinstance(mapping, Mapping) and mapping:  # typing's isinstance is slow
             yield (prefix + "." if prefix else ""), mapping
             continue
         children = module._modules
