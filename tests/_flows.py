@@ -303,6 +303,11 @@ def make_machine(inits: tuple = INITS):
                 assert torch.equal(ref["loss"], off["loss"]), f"loss {ref['loss']} vs {off['loss']}"
                 assert ref["trained"].keys() == off["trained"].keys()
                 for key in ref["trained"]:
+                    # accelerate drops the gradient of an offloaded trainable parameter with the copy its hook
+                    # onloaded for the forward: the step leaves it untrained (upstream too), silently
+                    assert not off["trained"][key].is_meta, (
+                        f"{key} is trainable but offloaded: its gradient was dropped with the onloaded copy, "
+                        f"so the step did not train it (the in-memory model's step did)")
                     assert torch.equal(ref["trained"][key], off["trained"][key]), f"{key} differs after the step"
 
         @precondition(lambda self: not self.done and self.peft and self.adapters)
