@@ -30,29 +30,27 @@ def _declared_mappings(model: Any) -> Iterable[Tuple[str, Mapping[str, str]]]:
 
     transformers expands regex ``_tied_weights_keys`` once, in ``post_init``, into
     ``all_tied_weights_keys`` (submodels included), so reading it costs nothing; a module nested
-    inside such a model is covered by its parent's mapping and not walked (an empty mapping covers
-    nothing: transformers gathers only its direct children's)."""
-    stack, seen = [("", model)], set()
-    while stack:  # pre-order, as named_modules; a declaring module's subtree is not entered
-        prefix, module = stack.pop()
-        if id(module) in seen:
+    inside such a model is covered by its parent's mapping and skipped."""
+    from metapatch._module_walk import named_modules
+
+    covered: List[str] = []
+    for prefix, module in named_modules(model):
+        if covered and (any(prefix == c or prefix.startswith(c + ".") for c in covered if c) or ("" in covered)):
             continue
-        seen.add(id(module))
-        mapping = None
-        if not _declares_nothing(module):
-            mapping = _attribute(module, "all_tied_weights_keys")
-            if mapping is None and callable(_attribute(module, "get_expanded_tied_weights_keys")):
-                try:
-                    mapping = module.get_expanded_tied_weights_keys(all_submodels=True)
-                except Exception:  # an exotic model whose expansion fails still gets identity ties
-                    mapping = None
-        if mapping is not None and isinstance(mapping, Mapping) and mapping:  # typing's isinstance is slow
+        if _declares_nothing(module):
+            continue
+        mapping = _attribute(module, "all_tied_weights_keys")
+        if mapping is None and callable(_attribute(module, "get_expanded_tied_weights_keys")):
+            try:
+                mapping = module.get_expanded_tied_weights_keys(all_submodels=True)
+            except Exception:  # an exotic model whose expansion fails still gets identity ties
+                mapping = None
+        # typing's isinstance is slow (it was most of this walk, asked of every module): only for a value
+        if mapping is not None and isinstance(mapping, Mapping) and mapping:
+            covered.append(prefix)
             yield (prefix + "." if prefix else ""), mapping
-            continue
-        children = module._modules
-        if children:
-            base = prefix + "." if prefix else ""
-            stack.extend(reversed([(base + name, child) for name, child in children.items() if child is not None]))
+            if not prefix:
+                return  # the root's mapping covers every submodel
 
 
 _DECLARING = ("all_tied_weights_keys", "get_expanded_tied_weights_keys")
