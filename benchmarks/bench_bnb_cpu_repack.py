@@ -61,7 +61,7 @@ def profiled() -> Iterator[Dict[str, float]]:
     offload.load_offloaded_weight = timed(originals[1], "disk_read_s", "disk_reads")
     F.gemv_4bit = timed(originals[2], "gemv_s", "gemvs")  # the fused CPU kernel on repacked weights
     try:
-        from metapatch import _bnb_fast_repack as fast
+        from metapatch._offload import bnb_fast_repack as fast
     except ImportError:  # an older metapatch
         fast = None
     if fast is not None:  # the byte-level repack of disk-offloaded weights counts as a repack
@@ -81,7 +81,7 @@ def profiled() -> Iterator[Dict[str, float]]:
 def bitsandbytes_repack(active: bool) -> Iterator[None]:
     """With ``active``: disk-offloaded weights repacked by bitsandbytes' own conversion (no byte layout)."""
     try:
-        from metapatch import _bnb_fast_repack as fast
+        from metapatch._offload import bnb_fast_repack as fast
     except ImportError:
         fast = None
     if not active or fast is None:

@@ -54,7 +54,7 @@ def main() -> None:
     import warnings
 
     import metapatch  # noqa: F401 - installs the patch
-    from metapatch import _tied_groups as tg
+    from metapatch._offload import tied_groups as tg
     from metapatch.selftest import _tied as sc
 
     warnings.filterwarnings("ignore")

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, Iterable, List, Optional
 
-from ._records import MetapatchError, MetapatchWarning, Patch, State, Target, Upstream
-from ._registry import Registry, lazy_patches
+from ._framework.records import MetapatchError, MetapatchWarning, Patch, State, Target, Upstream
+from ._framework.registry import Registry, lazy_patches
 
 __version__ = "0.1.0"
 __all__ = [
@@ -24,7 +24,7 @@ __all__ = [
 def _shared_registry() -> Registry:
     # Kept in the registry module, not here, so that importlib.reload(metapatch) re-uses it
     # instead of building a second registry that would have to adopt the first one's wrappers.
-    from . import _registry
+    from ._framework import registry as _registry
 
     existing = getattr(_registry, "REGISTRY", None)
     if existing is None:

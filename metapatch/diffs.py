@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
-from ._diff_files import (DEP3_FIELDS, DIFFS_ROOT, DIFFS_ROOT_ENV, EXTRA_FIELDS, FileSection,  # noqa: F401
+from ._framework.diff_files import (DEP3_FIELDS, DIFFS_ROOT, DIFFS_ROOT_ENV, EXTRA_FIELDS, FileSection,  # noqa: F401
                           UpstreamDiff, _order, _package_relative, all_diff_paths, diff_paths_of, diffs_for,
                           diffs_root, name_parts, parse, resolve_diff_path, series_of, series_problem)
-from ._records import PROJECTS  # noqa: F401
+from ._framework.records import PROJECTS  # noqa: F401
 
 # Verdicts of check(): what the installed package says about a diff.
 APPLIES = "applies"                # the installed code still has the bug

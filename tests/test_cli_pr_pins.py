@@ -20,7 +20,7 @@ import pytest
 
 import metapatch
 from metapatch import Patch, Target, Upstream, tested_versions
-from metapatch._registry import Registry
+from metapatch._framework.registry import Registry
 from metapatch.cli import main as cli_main
 from metapatch.commands import pins
 

@@ -76,7 +76,7 @@ PARTIAL_PARENT_SCRIPT = '''
     HOOK = sys.argv[1] if len(sys.argv) > 1 else "{hook}"
     fired = []
     if HOOK == "metapatch":
-        from metapatch._import_hooks import finder
+        from metapatch._framework.import_hooks import finder
         finder().watch("pkg.target", lambda m: fired.append(m.__name__))
     elif HOOK == "wrapt":
         import wrapt
@@ -143,7 +143,7 @@ FAKE_STACK = {
     "stackpatches/__init__.py": "",
     "stackpatches/p_compute.py": '''
         from metapatch import Patch, Target
-        from metapatch._registry import fingerprint
+        from metapatch._framework.registry import fingerprint
         import ast
         def _plus_one(wrapped, instance, args, kwargs):
             return wrapped(*args, **kwargs) + 1
@@ -176,7 +176,7 @@ def test_threads_importing_patched_packages_all_get_the_patch(tmp_path):
     script = '''
         import faulthandler, json, random, threading, importlib
         faulthandler.dump_traceback_later(40, exit=True)
-        from metapatch._registry import Registry, load_patches
+        from metapatch._framework.registry import Registry, load_patches
         reg = Registry(load_patches("stackpatches")); reg.install()
         names = ["alib", "alib.core", "blib.util", "blib.heavy", "clib", "clib.impl"]
         errors = []

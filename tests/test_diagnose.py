@@ -212,7 +212,7 @@ def test_findings_name_their_patch_through_the_records():
     import inspect
 
     from metapatch import _diagnosis_report
-    from metapatch._registry import load_patches
+    from metapatch._framework.registry import load_patches
 
     records = load_patches()
     declared = {code for patch in records for code in patch.diagnoses}

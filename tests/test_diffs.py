@@ -17,7 +17,7 @@ import pytest
 
 import metapatch
 from metapatch import Patch, Target, Upstream, diffs
-from metapatch._registry import Registry
+from metapatch._framework.registry import Registry
 from metapatch.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""metapatch._hook_state, the one reader of accelerate's hook state, on real accelerate hooks.
+"""metapatch._offload.hook_state, the one reader of accelerate's hook state, on real accelerate hooks.
 
 diagnose and the move guard each had their own ``_storage(hook)``: for a hook serving no weights map
 the guard said "the offload store" and diagnose "cpu", and once metapatch's offload store put an
@@ -17,8 +17,8 @@ import metapatch  # noqa: F401 - first, as a user script does
 torch = pytest.importorskip("torch")
 accelerate = pytest.importorskip("accelerate")
 
-from metapatch import _hook_state  # noqa: E402
-from metapatch._offload_store import Overlay  # noqa: E402
+from metapatch._offload import hook_state  # noqa: E402
+from metapatch._offload.store import Overlay  # noqa: E402
 
 
 class _Net(torch.nn.Module):
@@ -65,24 +65,24 @@ def test_disk_and_cpu_offload_read_the_same_everywhere(tmp_path):
     disk, cpu = _disk_model(tmp_path), _cpu_model()
     assert _answers(disk) == ("disk", "disk")
     assert _answers(cpu) == ("cpu", "cpu")
-    hook = _hook_state.offload_hook(disk.a)
-    found = _hook_state.locate(hook.weights_map, "weight")
-    assert found.store == _hook_state.DISK and found.folder == str(tmp_path / "offload")
+    hook = hook_state.offload_hook(disk.a)
+    found = hook_state.locate(hook.weights_map, "weight")
+    assert found.store == hook_state.DISK and found.folder == str(tmp_path / "offload")
     assert isinstance(found.entry, dict)  # the index entry: nothing was read from the file
-    assert _hook_state.locate(hook.weights_map, "no_such_tensor") is None
+    assert hook_state.locate(hook.weights_map, "no_such_tensor") is None
 
 
 def test_an_overlay_in_front_of_a_disk_loader_is_still_disk(tmp_path):
     model = _disk_model(tmp_path)
     for module in (model.a, model.b):
-        hook = _hook_state.offload_hook(module)
+        hook = hook_state.offload_hook(module)
         overlay = Overlay(hook.weights_map)
         overlay.kept["bias"] = torch.zeros(4)  # what an operation wrote: kept in memory
         hook.weights_map = overlay
     assert _answers(model) == ("disk", "disk")  # both said "cpu" before there was one reader
-    hook = _hook_state.offload_hook(model.a)
-    assert _hook_state.locate(hook.weights_map, "bias").store == _hook_state.CPU
-    assert _hook_state.locate(hook.weights_map, "weight").store == _hook_state.DISK
+    hook = hook_state.offload_hook(model.a)
+    assert hook_state.locate(hook.weights_map, "bias").store == hook_state.CPU
+    assert hook_state.locate(hook.weights_map, "weight").store == hook_state.DISK
     x = torch.randn(2, 4)
     reference = _Net()
     with torch.no_grad():
@@ -95,11 +95,11 @@ def test_a_hook_without_weights_map_is_the_offload_store():
     from accelerate.hooks import AlignDevicesHook
 
     hook = AlignDevicesHook(execution_device="cpu", offload=True, weights_map=None)
-    assert _hook_state.storage(hook) == _hook_state.UNKNOWN  # diagnose's own copy said "cpu"
+    assert hook_state.storage(hook) == hook_state.UNKNOWN  # diagnose's own copy said "cpu"
     module = torch.nn.Linear(2, 2)
     module._hf_hook = hook
-    assert _hook_state.offload_hooks(module) == [hook]
-    assert _hook_state.offload_hook(module) is None  # nothing to serve the weights from
+    assert hook_state.offload_hooks(module) == [hook]
+    assert hook_state.offload_hook(module) is None  # nothing to serve the weights from
 
 
 def test_hooks_are_read_from_the_module_dict_only():
@@ -111,11 +111,11 @@ def test_hooks_are_read_from_the_module_dict_only():
             raise AssertionError("read through the property")
 
     module = Computing(2, 2)
-    assert _hook_state.hooks_on(module) == []
+    assert hook_state.hooks_on(module) == []
     off, on = AlignDevicesHook(offload=False), AlignDevicesHook(offload=True, weights_map={})
     plain = torch.nn.Linear(2, 2)
     plain.__dict__["_hf_hook"] = SequentialHook(off, on)
-    assert _hook_state.hooks_on(plain) == [off, on]
-    assert _hook_state.align_hooks(plain) == [off, on]
-    assert _hook_state.offload_hooks(plain) == [on]
-    assert _hook_state.offload_hook(plain) is on
+    assert hook_state.hooks_on(plain) == [off, on]
+    assert hook_state.align_hooks(plain) == [off, on]
+    assert hook_state.offload_hooks(plain) == [on]
+    assert hook_state.offload_hook(plain) is on

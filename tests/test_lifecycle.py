@@ -115,7 +115,7 @@ fakelib.core.Thing = Thing
 PRELUDE = '''
 import json, sys, warnings
 warnings.simplefilter("always")
-from metapatch._registry import Registry, load_patches, MARKER
+from metapatch._framework.registry import Registry, load_patches, MARKER
 from metapatch import MetapatchError, MetapatchWarning
 def rows(reg):
     return {r["id"]: r for r in reg.status()}
@@ -228,7 +228,7 @@ def test_real_stack_unpatch_then_install_restores_exact_coverage(tmp_path):
     script = '''
         import json, sys
         import metapatch
-        from metapatch._registry import MARKER
+        from metapatch._framework.registry import MARKER
         import transformers.integrations.accelerate, transformers.modeling_utils, peft.peft_model, accelerate.hooks
         import bitsandbytes.nn.modules
         def marker(value):

@@ -15,7 +15,7 @@ import pytest
 
 import metapatch
 from metapatch import Patch, Target
-from metapatch._registry import Registry
+from metapatch._framework.registry import Registry
 from metapatch.cli import main as cli_main
 from metapatch.commands import pr_checks
 

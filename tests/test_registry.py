@@ -103,7 +103,7 @@ def world(tmp_path):
         prelude = textwrap.dedent('''
             import json, sys, warnings, logging
             warnings.simplefilter("always")
-            from metapatch._registry import Registry, load_patches, MARKER
+            from metapatch._framework.registry import Registry, load_patches, MARKER
             from metapatch import MetapatchWarning, MetapatchError
             def states(reg):
                 return {r["id"]: r["state"] for r in reg.status()}
@@ -365,7 +365,7 @@ def test_concurrent_imports_and_installs_never_double_wrap(world):
 
 
 def test_second_registry_adopts_instead_of_double_wrapping(world):
-    # What importlib.reload(metapatch._registry) or a re-import after clearing sys.modules amounts to.
+    # What importlib.reload(metapatch._framework.registry) or a re-import after clearing sys.modules amounts to.
     out = world()('''
         import fakelib.core
         orig = fakelib.core.compute
@@ -381,7 +381,7 @@ def test_second_registry_adopts_instead_of_double_wrapping(world):
 def test_reloading_metapatch_itself_never_double_wraps(world, tmp_path):
     # The real package, with the fake patches standing in for metapatch.patches.
     out = world()('''
-        import importlib, metapatch, metapatch._registry as R
+        import importlib, metapatch, metapatch._framework.registry as R
         R.REGISTRY = Registry(load_patches("fakepatches")); metapatch.registry = R.REGISTRY; metapatch.install()
         import fakelib.core
         importlib.reload(metapatch)
@@ -435,7 +435,7 @@ def test_status_cli_json_and_strict_exit_code(world, tmp_path):
     run = world()
     (tmp_path / "fakelib" / "core.py").write_text(STALE_CORE)
     out = run('''
-        import io, contextlib, os, metapatch, metapatch._registry as R
+        import io, contextlib, os, metapatch, metapatch._framework.registry as R
         from metapatch.commands import status as cmd
         import fakelib.core
         metapatch.registry = Registry(load_patches("fakepatches"))
@@ -473,8 +473,8 @@ def test_patch_index_matches_the_records():
     # what they say.
     import importlib
 
-    from metapatch._patch_loading import index_of_records, render_index
-    from metapatch._registry import load_patches
+    from metapatch._framework.patch_loading import index_of_records, render_index
+    from metapatch._framework.registry import load_patches
 
     pkg = importlib.import_module("metapatch.patches")
     records = index_of_records()
@@ -492,7 +492,7 @@ def test_lazy_records_load_with_their_target_only(world, tmp_path):
     with open(tmp_path / "fakepatches" / "__init__.py", "a") as init:
         init.write("INDEX = {'fake-compute': ('p_compute', ('fakelib.core',)), 'fake-thing': ('p_thing', ('fakelib.core',))}\n")
     out = run('''
-        from metapatch._registry import lazy_patches
+        from metapatch._framework.registry import lazy_patches
         reg = Registry(lazy_patches("fakepatches")); reg.install()
         loaded_before = sorted(m for m in sys.modules if m.startswith("fakepatches."))
         import fakelib.core
@@ -512,7 +512,7 @@ def test_lazy_records_late_install_and_unindexed_module(world, tmp_path):
     with open(tmp_path / "fakepatches" / "__init__.py", "a") as init:
         init.write("INDEX = {'fake-compute': ('p_compute', ('fakelib.core',))}\n")  # p_thing not indexed
     out = run('''
-        from metapatch._registry import lazy_patches
+        from metapatch._framework.registry import lazy_patches
         import fakelib.core
         reg = Registry(lazy_patches("fakepatches")); reg.install()
         print(json.dumps({"states": states(reg), "compute": fakelib.core.compute(2),
@@ -558,7 +558,7 @@ def test_stacked_patches_follow_their_declared_order(world):
     out = world(patches=_stacked())('''
         reg = Registry(load_patches("fakepatches")); reg.install()
         import fakelib.core
-        from metapatch._targets import MARKER
+        from metapatch._framework.targets import MARKER
         outer = getattr(fakelib.core.compute, MARKER)[0]
         print(json.dumps({"outer": outer, "compute": fakelib.core.compute(2)}))
     ''')
@@ -595,8 +595,8 @@ def test_unpatching_the_inner_patch_of_a_stack_leaves_no_wrapper_inside_the_oute
 def test_shipped_records_derive_their_diffs():
     # Patch.diffs is what upstream_diffs/<id>/ holds, derived only: a record that listed them would
     # be a second source that drifts (diffs= is for a test's fake patch, whose diffs live elsewhere).
-    from metapatch._diff_files import diff_paths_of
-    from metapatch._registry import load_patches
+    from metapatch._framework.diff_files import diff_paths_of
+    from metapatch._framework.registry import load_patches
 
     records = load_patches()
     assert [p.id for p in records if p._diffs is not None] == []
@@ -609,7 +609,7 @@ def test_patches_sharing_a_target_declare_their_order():
     # declaration the order would follow file names, and a rename would silently change it.
     from collections import defaultdict
 
-    from metapatch._registry import load_patches
+    from metapatch._framework.registry import load_patches
 
     records = {p.id: p for p in load_patches()}
     by_target = defaultdict(list)
@@ -626,12 +626,12 @@ def test_patches_sharing_a_target_declare_their_order():
 
 
 def test_patches_sharing_a_target_read_one_fingerprint_list():
-    # A target two records wrap has its fingerprints declared once (metapatch._shared_targets): each
+    # A target two records wrap has its fingerprints declared once (metapatch.patches._shared_targets): each
     # record lists a tail of that list (from the first release it claims), never a copy of its own.
     from collections import defaultdict
 
-    from metapatch._registry import load_patches
-    from metapatch._shared_targets import FINGERPRINTS
+    from metapatch._framework.registry import load_patches
+    from metapatch.patches._shared_targets import FINGERPRINTS
 
     by_target = defaultdict(list)
     for patch in load_patches():
@@ -666,7 +666,7 @@ def _ranges_overlap(patches) -> bool:
 def test_patch_selftest_is_the_module_of_its_own_scenarios():
     # Patch.selftest follows Scenario.patch_id; a record names a module only when the patch has no
     # scenario of its own (another patch's scenarios exercise it), and then it must hold scenarios.
-    from metapatch._registry import load_patches
+    from metapatch._framework.registry import load_patches
     from metapatch.selftest import all_scenarios
 
     scenarios = all_scenarios()

@@ -20,7 +20,7 @@ def _public_modules():
 
 
 def test_each_public_module_declares_the_scenarios_of_the_patch_it_is_named_after():
-    from metapatch._registry import load_patches
+    from metapatch._framework.registry import load_patches
 
     ids = {patch.id for patch in load_patches()}
     for name in _public_modules():

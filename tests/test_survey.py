@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import metapatch
-from metapatch._registry import fingerprint, resolve
+from metapatch._framework.registry import fingerprint, resolve
 from metapatch.survey import check, static, table, variants
 
 REPO = Path(__file__).resolve().parents[1]
@@ -95,7 +95,7 @@ PROBE = textwrap.dedent('''
     import importlib, json, os
     os.environ["METAPATCH_DISABLE"] = "all"
     import metapatch
-    from metapatch._registry import fingerprint, resolve
+    from metapatch._framework.registry import fingerprint, resolve
     from metapatch.survey.static import installed_fingerprints
     out = {}
     for patch in metapatch.registry.patches.values():

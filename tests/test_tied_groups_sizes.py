@@ -1,4 +1,4 @@
-"""metapatch._tied_groups' size and placement bookkeeping against plain re-statements of what they
+"""metapatch._offload.tied_groups' size and placement bookkeeping against plain re-statements of what they
 compute (pure Python: no model needed)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from metapatch import _tied_groups as tg
+from metapatch._offload import tied_groups as tg
 
 # Parameter names of a small module tree: up to three levels of modules, then a tensor name.
 NAMES = st.lists(

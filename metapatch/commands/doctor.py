@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Optional, Union
 
-from metapatch._records import MetapatchError
+from metapatch._framework.records import MetapatchError
 
 HELP = ("load a local checkpoint with a device map (metapatch on), print what is wrong with the placement "
         "(metapatch.diagnose) and run one forward pass")

@@ -14,7 +14,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import importlib
 
-    from metapatch._registry import fingerprint, resolve
+    from metapatch._framework.registry import fingerprint, resolve
 
     for dotted in args.targets:
         module_name, _, qualname = dotted.partition(":")

@@ -150,7 +150,7 @@ def reproducer_fields(source: str) -> dict:
 
 
 def _repository_of(diff: Any) -> Optional[str]:
-    from metapatch._records import project_of
+    from metapatch._framework.records import project_of
 
     return project_of(diff.package).repository or None
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from metapatch._records import PROJECTS
+from metapatch._framework.records import PROJECTS
 
 PASSED, FAILED, SKIPPED, MISSING = "passed", "failed", "skipped", "not collected"
 

@@ -18,7 +18,7 @@ def run(args: argparse.Namespace) -> int:
     import importlib
 
     import metapatch
-    from metapatch._registry import strict_mode
+    from metapatch._framework.registry import strict_mode
 
     if args.import_targets:
         for row in metapatch.status():

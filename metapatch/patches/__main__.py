@@ -9,7 +9,7 @@ import re
 import sys
 from pathlib import Path
 
-from metapatch._patch_loading import index_of_records, render_index
+from metapatch._framework.patch_loading import index_of_records, render_index
 
 _BLOCK = re.compile(r"^INDEX = \{\n.*?^\}\n", re.DOTALL | re.MULTILINE)
 

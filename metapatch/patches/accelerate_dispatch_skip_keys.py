@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from typing import Any, List, Optional
 
-from metapatch._calls import signature_of
-from metapatch._records import Patch, Target, Upstream
-from metapatch._shared_targets import shared_fingerprints
+from metapatch._framework.calls import signature_of
+from metapatch._framework.records import Patch, Target, Upstream
+from metapatch.patches._shared_targets import shared_fingerprints
 
 PATCH_ID = "accelerate-dispatch-skip-keys"
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from metapatch._records import Patch, Target, Upstream
+from metapatch._framework.records import Patch, Target, Upstream
 
 
 def holds_state_tensors(module: Any) -> bool:

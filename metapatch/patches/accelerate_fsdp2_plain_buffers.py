@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from typing import Any, List, Tuple
 
-from metapatch._calls import signature_of
-from metapatch._records import MetapatchError, Patch, Target, Upstream
+from metapatch._framework.calls import signature_of
+from metapatch._framework.records import MetapatchError, Patch, Target, Upstream
 
 PATCH_ID = "accelerate-fsdp2-plain-buffers"
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from metapatch._calls import signature_of
-from metapatch._records import Patch, Target, Upstream
+from metapatch._framework.calls import signature_of
+from metapatch._framework.records import Patch, Target, Upstream
 
 PATCH_ID = "accelerate-root-disk-map"
 

@@ -33,10 +33,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Dict, List, Tuple
 
-from metapatch._calls import signature_of
-from metapatch._records import MetapatchError, Patch, Target, Upstream
-from metapatch._shared_targets import shared_fingerprints
-from metapatch._tied_groups import _declared_mappings
+from metapatch._framework.calls import signature_of
+from metapatch._framework.records import MetapatchError, Patch, Target, Upstream
+from metapatch.patches._shared_targets import shared_fingerprints
+from metapatch._offload.tied_groups import _declared_mappings
 
 PATCH_ID = "accelerate-tie-before-load"
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Dict
 
-from metapatch._calls import signature_of
-from metapatch._records import Patch, Target, Upstream
-from metapatch._shared_targets import shared_fingerprints
+from metapatch._framework.calls import signature_of
+from metapatch._framework.records import Patch, Target, Upstream
+from metapatch.patches._shared_targets import shared_fingerprints
 
 PATCH_ID = "accelerate-unindexed-disk-tensors"
 
@@ -50,8 +50,8 @@ def unindexed(model: Any, device_map: Any, offload_index: Any) -> Dict[str, Any]
 def serve(model: Any, values: Dict[str, Any]) -> list:
     """Keep each of ``values`` for the offload hook that now serves it from a map lacking it; returns the
     qualified names served."""
-    from metapatch._hook_state import holds, offload_hooks
-    from metapatch._offload_store import hook_tensors, keep
+    from metapatch._offload.hook_state import holds, offload_hooks
+    from metapatch._offload.store import hook_tensors, keep
 
     served = []
     for prefix, module in model.named_modules():

@@ -26,7 +26,7 @@ state), in RAM next to the offloaded weight. A weight on disk is still repacked 
 as upstream does: keeping its copy would need RAM (undoing the offload) or a file written into the
 user's offload folder, and metapatch writes nothing there. Its packed quant state is kept (absmax
 in bfloat16: 1/16 of the 4-bit weight), and the weight read back at each forward is put into the
-CPU layout with byte operations (:mod:`metapatch._bnb_fast_repack`, proven equal to bitsandbytes'
+CPU layout with byte operations (:mod:`metapatch._offload.bnb_fast_repack`, proven equal to bitsandbytes'
 conversion per shape), about 3 times faster than bitsandbytes' own repack.
 
 The copy is swapped into the parameter for the duration of the call: two threads running the same
@@ -39,9 +39,9 @@ import copy
 import weakref
 from typing import Any, Dict, Tuple
 
-from metapatch import _bnb_fast_repack
-from metapatch._hook_state import DISK, locate, offload_hooks
-from metapatch._records import MetapatchError, Patch, Target, Upstream
+from metapatch._offload import bnb_fast_repack
+from metapatch._offload.hook_state import DISK, locate, offload_hooks
+from metapatch._framework.records import MetapatchError, Patch, Target, Upstream
 
 # The repack kernel's column block (bitsandbytes' default block_n) and the nf4/fp4 types it has.
 _BLOCK_N = 32
@@ -125,8 +125,8 @@ def _offloaded_packed_copy(module: Any, hook: Any, weight: Any, state: Any) -> A
         if cached[1] is not None:
             return cached[1], cached[2]
         # On disk: only the packed state is kept (absmax, 1/16 of the weight); the weight read back at
-        # this forward is permuted into the CPU layout with byte operations (metapatch._bnb_fast_repack).
-        fast = _bnb_fast_repack.packed_weight(weight.data, cached[2], _convert_weight_packed_for_cpu)
+        # this forward is permuted into the CPU layout with byte operations (metapatch._offload.bnb_fast_repack).
+        fast = bnb_fast_repack.packed_weight(weight.data, cached[2], _convert_weight_packed_for_cpu)
         if fast is not None:
             return fast, cached[2]
     work = copy.copy(state)

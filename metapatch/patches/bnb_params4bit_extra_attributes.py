@@ -20,7 +20,7 @@ import functools
 import inspect
 from typing import Any
 
-from metapatch._records import Patch, Target, Upstream
+from metapatch._framework.records import Patch, Target, Upstream
 
 
 def _accepting_extra_keywords(original: Any) -> Any:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from metapatch._records import MetapatchError, Patch, Target, Upstream
+from metapatch._framework.records import MetapatchError, Patch, Target, Upstream
 
 # The host copy a meta QuantState restores from. Taken once, at the first move to meta, and kept
 # across restore/offload cycles: the offloaded weight is reloaded in the format it had then, so

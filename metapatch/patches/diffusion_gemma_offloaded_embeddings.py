@@ -4,14 +4,14 @@ machine) accelerate has put that weight back on meta by then, so denoising steps
 compute on a meta weight and ``generate()`` fails ("probability tensor contains either inf, nan ...").
 Seen with accelerate 1.13 (transformers 5.11) once the tied-device-map patches let such a model
 dispatch at all. The fix keeps the embedding's offloaded weight materialised for the duration of the
-decoder's forward and offloads it again afterwards (metapatch._offloaded_weights, shared with
+decoder's forward and offloads it again afterwards (metapatch._offload.offloaded_weights, shared with
 gemma4-offloaded-embeddings).
 """
 
 from __future__ import annotations
 
-from .._offloaded_weights import call_with_materialised
-from .._records import Patch, Target, Upstream
+from .._offload.offloaded_weights import call_with_materialised
+from .._framework.records import Patch, Target, Upstream
 
 PATCH_ID = "diffusion-gemma-offloaded-embeddings"
 

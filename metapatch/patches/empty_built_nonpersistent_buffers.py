@@ -13,7 +13,7 @@ Two wrappers: ``_move_missing_keys_from_meta_to_device`` records each non-persis
 materialised with its ``_version``; ``_initialize_missing_keys`` then refills those that are still the
 same tensor at the same version (nothing wrote them) with the value the model's own constructor
 computes, from a rebuild of the model from its config with parameters on meta
-(``metapatch._buffer_rebuild``); one that cannot be recomputed raises ``MetapatchError`` naming it. A
+(``metapatch._offload.buffer_rebuild``); one that cannot be recomputed raises ``MetapatchError`` naming it. A
 model without non-persistent buffers, or whose ``_init_weights`` wrote them all, is left as upstream.
 """
 
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from metapatch._records import Patch, Target, Upstream
-from metapatch._shared_targets import shared_fingerprints
+from metapatch._framework.records import Patch, Target, Upstream
+from metapatch.patches._shared_targets import shared_fingerprints
 
 PATCH_ID = "empty-built-nonpersistent-buffers"
 _PENDING = "_metapatch_materialised_buffers"
@@ -31,7 +31,7 @@ _PENDING = "_metapatch_materialised_buffers"
 def _move_missing_keys(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     result = wrapped(*args, **kwargs)
     if instance is not None:
-        from metapatch._buffer_rebuild import record
+        from metapatch._offload.buffer_rebuild import record
 
         # every non-persistent buffer was on meta and is a fresh empty_like / zeros_like tensor now
         pending = record(instance)
@@ -44,7 +44,7 @@ def _initialize_missing_keys(wrapped: Any, instance: Any, args: tuple, kwargs: d
     result = wrapped(*args, **kwargs)
     pending = instance.__dict__.pop(_PENDING, None) if instance is not None else None
     if pending:
-        from metapatch._buffer_rebuild import refill
+        from metapatch._offload.buffer_rebuild import refill
 
         refill(instance, pending, "from_pretrained")
     return result

@@ -8,7 +8,7 @@ Under ``include_buffers=True`` every buffer is computed on meta, and a non-persi
 ``inv_freq``, position ids, masks) is never in a checkpoint: nothing in accelerate can give it a value.
 Three wrappers:
 - ``init_on_device`` (so ``init_empty_weights``, either ``include_buffers``) records the constructor
-  arguments of each module built inside it (``metapatch._buffer_rebuild.capture_constructors``);
+  arguments of each module built inside it (``metapatch._offload.buffer_rebuild.capture_constructors``);
 - ``Module.to_empty`` on such a model (or on a transformers model built under ``torch.device("meta")``,
   whose config rebuilds them) gives the non-persistent buffers it replaced with uninitialised
   memory their constructor's value at once (with ``include_buffers=False`` they held their real value
@@ -28,9 +28,9 @@ import contextlib
 import weakref
 from typing import Any, Iterator
 
-from metapatch._calls import signature_of
-from metapatch._records import MetapatchError, Patch, Target, Upstream
-from metapatch._shared_targets import shared_fingerprints
+from metapatch._framework.calls import signature_of
+from metapatch._framework.records import MetapatchError, Patch, Target, Upstream
+from metapatch.patches._shared_targets import shared_fingerprints
 
 PATCH_ID = "empty-init-nonpersistent-buffers"
 _EMPTIED: "weakref.WeakKeyDictionary[Any, list]" = weakref.WeakKeyDictionary()
@@ -44,21 +44,21 @@ def _init_on_device(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
 
 @contextlib.contextmanager
 def _capturing(inner: Any) -> Iterator[Any]:
-    from metapatch._buffer_rebuild import capture_constructors
+    from metapatch._offload.buffer_rebuild import capture_constructors
 
     with inner as value, capture_constructors():
         yield value
 
 
 def _built_empty(module: Any) -> bool:
-    from metapatch._buffer_rebuild import CONSTRUCTED
+    from metapatch._offload.buffer_rebuild import CONSTRUCTED
 
     return module in CONSTRUCTED
 
 
 def _meta_non_persistent(model: Any) -> bool:
     """Whether a non-persistent buffer of ``model`` is on meta (it was built on the meta device)."""
-    from metapatch._module_walk import modules
+    from metapatch._offload.module_walk import modules
 
     return any(module._buffers.get(name) is not None and module._buffers[name].is_meta
                for module in modules(model) for name in module._non_persistent_buffers_set)
@@ -73,7 +73,7 @@ def _to_empty(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         # recompute is left to the caller, as torch leaves it.
         if not _meta_non_persistent(instance):
             return wrapped(*args, **kwargs)
-        from metapatch._buffer_rebuild import record, refill
+        from metapatch._offload.buffer_rebuild import record, refill
 
         pending = record(instance, only_meta=True)
         result = wrapped(*args, **kwargs)
@@ -84,7 +84,7 @@ def _to_empty(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         except MetapatchError:
             pass
         return result
-    from metapatch._buffer_rebuild import record, refill, unset
+    from metapatch._offload.buffer_rebuild import record, refill, unset
 
     result = wrapped(*args, **kwargs)
     emptied = [p for p in record(instance) if not p[3].is_meta]
@@ -106,7 +106,7 @@ def _load_checkpoint_in_model(wrapped: Any, instance: Any, args: tuple, kwargs: 
     if model is None or not (_built_empty(model) or model in _EMPTIED):
         return wrapped(*args, **kwargs)
     result = wrapped(*args, **kwargs)
-    from metapatch._buffer_rebuild import record, refill
+    from metapatch._offload.buffer_rebuild import record, refill
 
     pending = [*_EMPTIED.pop(model, []), *record(model, only_meta=True)]
     refill(model, pending, "init_empty_weights and load_checkpoint_in_model")

@@ -31,9 +31,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from metapatch._calls import signature_of
-from metapatch._records import MetapatchError, Patch, Target, Upstream
-from metapatch._shared_targets import shared_fingerprints
+from metapatch._framework.calls import signature_of
+from metapatch._framework.records import MetapatchError, Patch, Target, Upstream
+from metapatch.patches._shared_targets import shared_fingerprints
 
 PATCH_ID = "fsdp-rank-placeholders"
 _LOADED = "_metapatch_fsdp_loaded"
@@ -50,7 +50,7 @@ def _move_missing_keys(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -
         result = wrapped(*args, **kwargs)
         setattr(instance, _LOADED, True)
         return result
-    from metapatch._rank_sync import model_entries
+    from metapatch._offload.rank_sync import model_entries
 
     before = [entry for entry in model_entries(instance) if _tensor(entry).is_meta]
     result = wrapped(*args, **kwargs)
@@ -92,7 +92,7 @@ def _prepare_model(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
     model = bound.arguments.get("model")
     if not bound.arguments.get("evaluation_mode") or model is None:
         return wrapped(*args, **kwargs)
-    from metapatch._rank_sync import broadcast_from_rank0, marked, model_entries
+    from metapatch._offload.rank_sync import broadcast_from_rank0, marked, model_entries
 
     if marked(model, _LOADED) and _group_up():
         broadcast_from_rank0(model, model_entries(model), "weights for an evaluation-only model")
@@ -105,12 +105,12 @@ def _prepare_model(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
 def _fsdp2_prepare_model(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     bound = signature_of(wrapped).bind_partial(*args, **kwargs)
     model = bound.arguments.get("model")
-    from metapatch._rank_sync import marked
+    from metapatch._offload.rank_sync import marked
 
     if model is None or not marked(model, _LOADED) or not _group_up():
         return wrapped(*args, **kwargs)
     prepared = wrapped(*args, **kwargs)
-    from metapatch._rank_sync import broadcast_from_rank0, model_entries
+    from metapatch._offload.rank_sync import broadcast_from_rank0, model_entries
 
     broadcast_from_rank0(prepared, model_entries(prepared, "non-persistent"), "non-persistent buffers")
     return prepared

@@ -13,14 +13,14 @@ Two reads, both only in models with per-layer inputs (``hidden_size_per_layer_in
   ``embed_tokens.weight`` to recover the token ids.
 
 The fix is the one diffusion-gemma-offloaded-embeddings makes for DiffusionGemma (the shared
-metapatch._offloaded_weights): the embedding's offloaded weight stays materialised for the duration of
+metapatch._offload.offloaded_weights): the embedding's offloaded weight stays materialised for the duration of
 the call and is offloaded again afterwards. Nothing changes where the embedding is not offloaded.
 """
 
 from __future__ import annotations
 
-from .._offloaded_weights import call_with_materialised
-from .._records import Patch, Target, Upstream
+from .._offload.offloaded_weights import call_with_materialised
+from .._framework.records import Patch, Target, Upstream
 
 PATCH_ID = "gemma4-offloaded-embeddings"
 _MODULE = "transformers.models.gemma4.modeling_gemma4"

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from metapatch._records import Patch, Target, Upstream
+from metapatch._framework.records import Patch, Target, Upstream
 
 
 def eager_tensors_as_lazy(cls: Any, value: Any) -> Any:

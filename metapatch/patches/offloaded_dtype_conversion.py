@@ -19,9 +19,9 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from metapatch._calls import signature_of
-from metapatch._offloaded_weights import offload_hooks
-from metapatch._records import Patch, Target, Upstream
+from metapatch._framework.calls import signature_of
+from metapatch._offload.offloaded_weights import offload_hooks
+from metapatch._framework.records import Patch, Target, Upstream
 
 PATCH_ID = "offloaded-dtype-conversion"
 _MARK = "_metapatch_conversion_to"

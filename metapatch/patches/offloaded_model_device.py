@@ -24,8 +24,8 @@ from __future__ import annotations
 import sys
 from typing import Any, Optional
 
-from .._offloaded_weights import offload_hooks
-from .._records import Patch, Target, Upstream
+from .._offload.offloaded_weights import offload_hooks
+from .._framework.records import Patch, Target, Upstream
 
 PATCH_ID = "offloaded-model-device"
 

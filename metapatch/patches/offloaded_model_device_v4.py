@@ -5,7 +5,7 @@ match. The behaviour and the reasoning are those of :mod:`metapatch.patches.offl
 
 from __future__ import annotations
 
-from .._records import Patch, Target, Upstream
+from .._framework.records import Patch, Target, Upstream
 from .offloaded_model_device import _device_property
 
 PATCH_ID = "offloaded-model-device-v4"

@@ -29,9 +29,9 @@ import sys
 import weakref
 from typing import Any, Callable, List, Optional, Tuple
 
-from metapatch._hook_state import offload_hooks, storage
-from metapatch._module_walk import named_modules as _named_modules
-from metapatch._records import MetapatchError, Patch, Target, Upstream
+from metapatch._offload.hook_state import offload_hooks, storage
+from metapatch._offload.module_walk import named_modules as _named_modules
+from metapatch._framework.records import MetapatchError, Patch, Target, Upstream
 
 PATCH_ID = "offloaded-move-guard"
 

@@ -5,7 +5,7 @@ execution device, for as long as that forward runs; upstream it meets accelerate
 (``Tensor on device meta is not on the expected device``, ``Cannot copy out of meta tensor``, or wrong
 numbers).
 
-The mechanism (metapatch._outside_reads) runs once per dispatch: when accelerate's top-level
+The mechanism (metapatch._offload.outside_reads) runs once per dispatch: when accelerate's top-level
 ``attach_align_device_hook_on_blocks`` (``dispatch_model``, so ``from_pretrained(device_map=...)``,
 ``load_checkpoint_and_dispatch``, PEFT's re-dispatch) or ``attach_align_device_hook`` (``cpu_offload``,
 ``disk_offload``) has attached offload hooks, the forward source of every module class is read once for
@@ -22,9 +22,9 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from metapatch._calls import signature_of
-from metapatch._records import Patch, Target, Upstream
-from metapatch._shared_targets import shared_fingerprints
+from metapatch._framework.calls import signature_of
+from metapatch._framework.records import Patch, Target, Upstream
+from metapatch.patches._shared_targets import shared_fingerprints
 
 PATCH_ID = "offloaded-outside-reads"
 
@@ -47,14 +47,14 @@ def _attach(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         _depth.value -= 1
     module = bound.arguments.get("module")
     if top and module is not None and _offloads(bound.arguments.get("offload", False)):
-        from metapatch import _outside_reads
+        from metapatch._offload import outside_reads
 
         get = bound.arguments.get
         modules = list(module.named_modules())  # one walk for both passes (neither adds a module)
-        _outside_reads.hook_split_tensors(module, get("execution_device"), get("offload"), get("weights_map"),
+        outside_reads.hook_split_tensors(module, get("execution_device"), get("offload"), get("weights_map"),
                                           offload_buffers=get("offload_buffers", False), skip_keys=get("skip_keys"),
                                           tied_params_map=get("tied_params_map"), modules=modules)
-        _outside_reads.install(module, modules)
+        outside_reads.install(module, modules)
     return result
 
 

@@ -22,7 +22,7 @@ Here, when the input or output embedding has its own accelerate offload hook:
   Tensors shared before re-offloading (a tied head) share one placeholder again afterwards.
 
 An embedding offloaded only as part of a larger block (its weights in an ancestor's hook) is refused with
-a :class:`~metapatch._records.MetapatchError`: give the embedding and the head their own ``device_map``
+a :class:`~metapatch._framework.records.MetapatchError`: give the embedding and the head their own ``device_map``
 entries (``"model.embed_tokens"``, ``"lm_head"``), as ``device_map="auto"`` does.
 """
 
@@ -30,8 +30,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Tuple
 
-from metapatch._offload_store import Overlay
-from metapatch._records import MetapatchError, Patch, Target, Upstream
+from metapatch._offload.store import Overlay
+from metapatch._framework.records import MetapatchError, Patch, Target, Upstream
 
 PATCH_ID = "offloaded-resize-token-embeddings"
 
@@ -55,7 +55,7 @@ def _has_meta_tensors(module: Any) -> bool:
 def _offloaded_embeddings(model: Any) -> List[Tuple[Any, Any]]:
     """(module, its offload hook) for the input/output embeddings that accelerate offloads; raises where an
     embedding is offloaded only through an ancestor's hook (its weights map is the whole block's)."""
-    from metapatch._hook_state import offload_hook
+    from metapatch._offload.hook_state import offload_hook
 
     offloaded = []
     for module in _embedding_modules(model):
@@ -84,7 +84,7 @@ def _onload(module: Any, hook: Any) -> Dict[str, Any]:
 def _carries(module: Any, hook: Any) -> bool:
     """``hook`` is ``module``'s own (also inside a ``SequentialHook``). By identity, not through
     ``offload_hook``: that one only finds hooks with ``offload`` on, which :func:`_onload` has turned off."""
-    from metapatch._hook_state import hooks_on
+    from metapatch._offload.hook_state import hooks_on
 
     return any(h is hook for h in hooks_on(module))
 

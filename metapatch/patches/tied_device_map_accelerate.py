@@ -4,7 +4,7 @@ call) made aware of declared tied weights, regex-expanded by transformers.
 Upstream finds ties by tensor identity only: on a meta model built before ``tie_weights`` it sees no
 ties, counts every tied copy in full and may split a group across devices; on a tied DiffusionGemma
 its ``get_module_size_with_ties`` raises ``IndexError`` once a tied member was placed before its
-group's source. The fix is the one the transformers side uses (metapatch._tied_groups): upstream's
+group's source. The fix is the one the transformers side uses (metapatch._offload.tied_groups): upstream's
 allocator runs on the tie-free problem, each group counted once at its source, then the tied copies
 join their source's device within the budgets. Where every group is already one tensor and upstream's
 map is sound, upstream's map is returned unchanged (accelerate's own tests expect its exact maps).
@@ -14,13 +14,13 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-from .._calls import call_arguments
-from .._records import Patch, Target, Upstream
+from .._framework.calls import call_arguments
+from .._framework.records import Patch, Target, Upstream
 
 PATCH_ID = "tied-device-map-accelerate"
 
 def _infer_auto_device_map(wrapped, instance, args, kwargs):
-    from .. import _tied_groups as tg
+    from .._offload import tied_groups as tg
 
     call = call_arguments(wrapped, args, kwargs)
     model = call["model"]

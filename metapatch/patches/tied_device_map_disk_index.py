@@ -11,13 +11,13 @@ tied-device-map-transformers-v4.)
 
 from __future__ import annotations
 
-from .._records import Patch, Target, Upstream
+from .._framework.records import Patch, Target, Upstream
 
 PATCH_ID = "tied-device-map-disk-index"
 
 
 def _accelerate_disk_offload(wrapped, instance, args, kwargs):
-    from .. import _tied_groups as tg
+    from .._offload import tied_groups as tg
 
     index = wrapped(*args, **kwargs)
     model = kwargs.get("model", args[0] if args else None)

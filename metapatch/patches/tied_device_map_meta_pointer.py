@@ -10,8 +10,8 @@ this drops the shared ``0`` slot before the hooks are attached, which is the sam
 
 from __future__ import annotations
 
-from .._records import Patch, Target, Upstream
-from .._shared_targets import shared_fingerprints
+from .._framework.records import Patch, Target, Upstream
+from ._shared_targets import shared_fingerprints
 
 PATCH_ID = "tied-device-map-meta-pointer"
 

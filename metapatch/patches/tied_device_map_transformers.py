@@ -16,7 +16,7 @@ Upstream, with ``all_tied_weights_keys`` expanded from regex patterns:
 The fix keeps upstream's own map where it is right (5.13+: every group on one device, every budget
 kept, tied tensors counted once); otherwise it runs upstream's allocator on the tie-free problem
 (each group counted once, at its source), then moves tied copies to their source's device within the
-budgets (metapatch._tied_groups). An explicit map that splits a group is repaired the same way, with a
+budgets (metapatch._offload.tied_groups). An explicit map that splits a group is repaired the same way, with a
 warning naming the pairs. Where ``from_pretrained`` cannot use a map that is all disk (transformers
 5.0-5.12 never dispatch it; 5.13+ with accelerate < 1.15 get accelerate's "offload the whole model to
 the disk"), one small module with no tie crossing it is kept on cpu (within the cpu budget), for tied
@@ -28,8 +28,8 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any, Dict, Optional
 
-from .._calls import call_arguments
-from .._records import Patch, Target, Upstream
+from .._framework.calls import call_arguments
+from .._framework.records import Patch, Target, Upstream
 
 PATCH_ID = "tied-device-map-transformers"
 
@@ -43,7 +43,7 @@ def _tensor_bytes(model: Any, hf_quantizer: Any, parameters: Optional[Dict[str, 
 
 
 def _infer_auto_device_map(wrapped, instance, args, kwargs):
-    from .. import _tied_groups as tg
+    from .._offload import tied_groups as tg
 
     call = call_arguments(wrapped, args, kwargs)
     model = call["model"]
@@ -124,7 +124,7 @@ def _keep_one_module_on_cpu(model: Any, device_map: Dict[str, Any], groups, max_
     budget, so that the (otherwise all-disk) map names two devices and is dispatched with offload hooks
     (see _single_disk_maps_are_dispatched). Untied models too: the map is all disk whenever the cpu
     budget is smaller than the largest layer."""
-    from .. import _tied_groups as tg
+    from .._offload import tied_groups as tg
 
     sizes, get_max_memory = _module_sizes_and_budgets(model)
     tg.dedupe_tied_sizes(sizes, groups, _tensor_bytes(model, None))
@@ -175,7 +175,7 @@ def _module_sizes_and_budgets(model: Any):
 
 
 def _get_device_map(wrapped, instance, args, kwargs):
-    from .. import _tied_groups as tg
+    from .._offload import tied_groups as tg
 
     call = call_arguments(wrapped, args, kwargs)
     requested = call.get("device_map")

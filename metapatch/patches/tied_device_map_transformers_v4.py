@@ -22,15 +22,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._records import Patch, Target, Upstream
+from .._framework.records import Patch, Target, Upstream
 from .tied_device_map_transformers import _get_device_map
 
 PATCH_ID = "tied-device-map-transformers-v4"
 
 def _load_pretrained_model(wrapped, instance, args, kwargs):
     """Give each disk-offloaded tied copy its source's entry in the returned offload index."""
-    from .. import _tied_groups as tg
-    from .._calls import call_arguments
+    from .._offload import tied_groups as tg
+    from .._framework.calls import call_arguments
 
     result = wrapped(*args, **kwargs)
     index = result[4] if isinstance(result, tuple) and len(result) == 6 else None

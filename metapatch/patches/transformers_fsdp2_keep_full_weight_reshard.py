@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from typing import Any, List
 
-from metapatch._records import Patch, Target, Upstream
+from metapatch._framework.records import Patch, Target, Upstream
 
 PATCH_ID = "transformers-fsdp2-keep-full-weight-reshard"
 _HOOKED = "_metapatch_fsdp_reshard_hook"

@@ -22,11 +22,11 @@ Here, for a model with accelerate offload hooks:
 * transformers 4.57's re-dispatch after loading is skipped: the base keeps its hooks and offload files
   (no weight is read or written again); an explicit ``device_map`` or ``max_memory`` passed to
   ``load_adapter`` there, a request for a new placement that cannot be honoured over weights that are
-  already offloaded, is refused with a :class:`~metapatch._records.MetapatchError` saying what to do;
-* the load is one :class:`metapatch._offload_store.Operation`: a tensor the adapter brings for an offloaded
+  already offloaded, is refused with a :class:`~metapatch._framework.records.MetapatchError` saying what to do;
+* the load is one :class:`metapatch._offload.store.Operation`: a tensor the adapter brings for an offloaded
   module (a saved embedding layer) is kept for that module's hook to serve (in CPU memory, nothing written),
   not dropped at its next forward;
-* then the adapter tensors follow their base layer's offload hook (:mod:`metapatch._adapter_offload`, the
+* then the adapter tensors follow their base layer's offload hook (:mod:`metapatch._offload.adapter_offload`, the
   mechanism ``peft-offload-redispatch`` uses): placed on the hook's execution device, the base layer
   held for the tuner layer's whole forward, anything still on ``meta`` refused with a ``MetapatchError``.
 
@@ -39,8 +39,8 @@ from __future__ import annotations
 import contextvars
 from typing import Any
 
-from metapatch import _offload_store
-from metapatch._records import MetapatchError, Patch, Target, Upstream
+from metapatch._offload import store as offload_store
+from metapatch._framework.records import MetapatchError, Patch, Target, Upstream
 
 PATCH_ID = "transformers-load-adapter-offload"
 OFFLOADED_DEVICES = {"cpu", "disk"}
@@ -52,7 +52,7 @@ _KEEPING_PLACEMENT = contextvars.ContextVar("metapatch_load_adapter_keeps_placem
 def _is_offloaded(model: Any) -> bool:
     """Dispatched by accelerate with weights offloaded (an offload hook somewhere, a map naming cpu/disk).
     The map is read first: a model without one is left to upstream without a walk."""
-    from metapatch._offload_store import offload_hook
+    from metapatch._offload.store import offload_hook
 
     device_map = getattr(model, "__dict__", {}).get("hf_device_map")
     if not isinstance(device_map, dict) or not OFFLOADED_DEVICES & set(map(str, device_map.values())):
@@ -101,7 +101,7 @@ def _refuse_new_placement(wrapped: Any, args: tuple, kwargs: dict) -> None:
 def load_adapter(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     if instance is None or not _is_offloaded(instance):
         return wrapped(*args, **kwargs)
-    from metapatch._adapter_offload import follow_base_layer_hooks
+    from metapatch._offload.adapter_offload import follow_base_layer_hooks
 
     if "device_map" in _parameters(wrapped):  # transformers 4.x: load_adapter re-dispatches
         _refuse_new_placement(wrapped, args, kwargs)
@@ -113,7 +113,7 @@ def load_adapter(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         # One store operation: a tensor the adapter brings for an offloaded module (a saved embedding
         # layer; transformers 5 materialises it on cpu, 4.57's load_state_dict copies into meta) is kept
         # for that module's hook to serve instead of being dropped at its next forward.
-        with _offload_store.Operation("model.load_adapter") as operation:
+        with offload_store.Operation("model.load_adapter") as operation:
             operation.watch_loads(instance)
             result = wrapped(*args, **kwargs)
             operation.adopt_materialised(instance)

@@ -59,7 +59,7 @@ def patch_sites(workdir: Path) -> dict:
     import importlib.util
 
     import metapatch
-    from metapatch._sites import namespace
+    from metapatch._framework.sites import namespace
     from metapatch.selftest._harness import PRELOAD
 
     for name in PRELOAD:

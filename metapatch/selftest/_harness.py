@@ -74,8 +74,8 @@ def unmet(requires: Mapping[str, str], versions: Optional[Mapping[str, Optional[
     scenarios. ``versions`` overrides installed versions (tests)."""
     if not requires:
         return ""
-    from .._records import Patch, Target
-    from .._registry import Registry
+    from .._framework.records import Patch, Target
+    from .._framework.registry import Registry
 
     probe = Patch("selftest-requires", "scenario requirements", requires,
                   (Target("metapatch", "__name__", (), replacement=lambda original: original),))

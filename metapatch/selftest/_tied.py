@@ -102,7 +102,7 @@ def save_tiny(path: Path, seed: int = 0) -> Tuple[Path, Any]:
 
 
 def model_bytes(model: Any) -> int:
-    from .. import _tied_groups as tg
+    from .._offload import tied_groups as tg
 
     return sum(tg.bytes_per_device(model, {"": "cpu"}).values())
 
@@ -160,7 +160,7 @@ def check_dispatched(model: Any) -> None:
 
 def sweep_budgets(model: Any, infer: Any, budgets: Sequence[Dict[Any, int]], **kwargs: Any) -> List[str]:
     """Map inference at each budget; the list of what went wrong (empty when all is well)."""
-    from .. import _tied_groups as tg
+    from .._offload import tied_groups as tg
 
     groups = tg.tied_groups(model)
     problems = []
@@ -175,7 +175,7 @@ def sweep_budgets(model: Any, infer: Any, budgets: Sequence[Dict[Any, int]], **k
 
 
 def map_problems(model: Any, device_map: Any, max_memory: Dict[Any, int], groups: Any) -> List[str]:
-    from .. import _tied_groups as tg
+    from .._offload import tied_groups as tg
 
     problems = []
     unplaced = tg.unplaced_parameters(model, device_map)

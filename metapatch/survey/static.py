@@ -1,6 +1,6 @@
 """Fingerprints read statically: the source of ``module:Qual.name`` located in the module's AST,
 from a downloaded wheel (or sdist) or from an installed package's file, and hashed with the very
-normalisation the runtime check uses (:func:`metapatch._fingerprints.fingerprint_source`).
+normalisation the runtime check uses (:func:`metapatch._framework.fingerprints.fingerprint_source`).
 
 The segment is what ``inspect.getsource`` returns: a function or class from its first decorator to
 its last line. Definitions nested in module- or class-level ``if``/``try``/``with`` blocks count, and
@@ -17,7 +17,7 @@ import zipfile
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
 
-from .._fingerprints import fingerprint_source
+from .._framework.fingerprints import fingerprint_source
 from . import cache_dir
 
 ABSENT = "absent"  # the module or the object does not exist in that release
@@ -155,7 +155,7 @@ def fingerprints(read_module, targets: Iterable[str]) -> Dict[str, str]:
 def archive_fingerprints(dist: str, version: str, archive: Path, targets: Iterable[str]) -> Dict[str, str]:
     """Fingerprints for one release, cached per release (a wheel never changes): only targets not
     measured before are read."""
-    from .._fingerprints import __file__ as normaliser
+    from .._framework.fingerprints import __file__ as normaliser
 
     targets = list(targets)
     path = cache_dir() / "static" / dist / f"{version}.json"

@@ -1,4 +1,4 @@
-"""bnb-cpu-repack-copy: the byte-level CPU layout (metapatch._bnb_fast_repack) of disk-offloaded
+"""bnb-cpu-repack-copy: the byte-level CPU layout (metapatch._offload.bnb_fast_repack) of disk-offloaded
 4-bit weights is bitsandbytes' own, and a disk-offloaded layer's forward with it equals the
 in-memory model's (issue 24 item 4). The layout check runs on any CPU (the conversion is plain
 torch); the forward check runs the repack path where the CPU has it and says which path ran."""
@@ -10,7 +10,7 @@ import copy
 import pytest
 
 import metapatch  # noqa: F401 - first: the patches under test
-from metapatch import _bnb_fast_repack as fast
+from metapatch._offload import bnb_fast_repack as fast
 
 torch = pytest.importorskip("torch")
 bnb = pytest.importorskip("bitsandbytes")

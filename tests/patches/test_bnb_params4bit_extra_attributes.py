@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from metapatch._registry import Registry
+from metapatch._framework.registry import Registry
 from metapatch.patches.bnb_params4bit_extra_attributes import PATCH, _accepting_extra_keywords
 
 from _three_way import ThreeWayCase  # tests/patches/_three_way.py

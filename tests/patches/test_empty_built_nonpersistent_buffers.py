@@ -76,7 +76,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 accelerate = pytest.importorskip("accelerate")
 
-from metapatch import _buffer_rebuild  # noqa: E402
+from metapatch._offload import buffer_rebuild  # noqa: E402
 from metapatch.selftest._models import input_ids, nan_sentinel, tiny_llama_config  # noqa: E402
 from metapatch.selftest.empty_built_nonpersistent_buffers import register_table_model, save_table_model  # noqa: E402
 
@@ -91,7 +91,7 @@ def test_stock_rotary_is_left_to_init_weights(tmp_path, monkeypatch):
     def no_rebuild(*args, **kwargs):
         raise AssertionError("a model whose _init_weights wrote every buffer was rebuilt")
 
-    monkeypatch.setattr(_buffer_rebuild, "_buffers_by_config", no_rebuild)
+    monkeypatch.setattr(buffer_rebuild, "_buffers_by_config", no_rebuild)
     torch.manual_seed(0)
     model = LlamaForCausalLM(tiny_llama_config(num_hidden_layers=1)).eval()
     model.save_pretrained(tmp_path)
@@ -113,7 +113,7 @@ def test_refill_keeps_the_buffer_object_and_random_state(tmp_path):
     assert buffer.data_ptr() and loaded.block.rope._buffers["inv_freq"] is buffer
     torch.manual_seed(123)
     state = torch.random.get_rng_state()
-    _buffer_rebuild._buffers_by_config(loaded, torch.float32)
+    buffer_rebuild._buffers_by_config(loaded, torch.float32)
     assert torch.equal(torch.random.get_rng_state(), state)  # the rebuild draws nothing from the user's stream
 
 

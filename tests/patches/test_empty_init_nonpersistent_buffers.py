@@ -36,7 +36,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 accelerate = pytest.importorskip("accelerate")
 
-from metapatch import _buffer_rebuild  # noqa: E402
+from metapatch._offload import buffer_rebuild  # noqa: E402
 from metapatch.selftest._models import nan_sentinel  # noqa: E402
 
 
@@ -72,8 +72,8 @@ def test_plain_module_built_empty_is_refilled_from_its_constructor(tmp_path):
     with init_empty_weights(include_buffers=True):
         empty = _Plain(16, base=50.0)
     assert empty.table.inv_freq.is_meta
-    assert _buffer_rebuild.CONSTRUCTED[empty] == ((16,), {"base": 50.0})
-    assert _buffer_rebuild.CONSTRUCTED[empty.table] == ((16, 50.0), {})
+    assert buffer_rebuild.CONSTRUCTED[empty] == ((16,), {"base": 50.0})
+    assert buffer_rebuild.CONSTRUCTED[empty.table] == ((16, 50.0), {})
     empty = load_checkpoint_and_dispatch(empty, str(tmp_path / "model.safetensors"),
                                          device_map={"proj": "cpu", "table": "cpu"})
     x = torch.randn(2, 16)
@@ -92,7 +92,7 @@ def test_uncaptured_constructor_is_refused_by_name(tmp_path):
         empty = _Plain(16, base=50.0)
     with torch.device("meta"):
         empty.table = _Table(16, base=50.0)
-    assert empty.table not in _buffer_rebuild.CONSTRUCTED
+    assert empty.table not in buffer_rebuild.CONSTRUCTED
     with pytest.raises(metapatch.MetapatchError, match=r"table\.inv_freq \(_Table\).*not recorded"):
         load_checkpoint_in_model(empty, str(tmp_path / "model.safetensors"), device_map={"proj": "cpu", "table": "cpu"})
 
@@ -121,7 +121,7 @@ def test_to_empty_keeps_what_it_cannot_recompute_for_the_load_to_refuse(tmp_path
     _save_plain(tmp_path)
     with init_empty_weights():
         empty = _Plain(16, base=50.0)
-    _buffer_rebuild.CONSTRUCTED.pop(empty.table, None)  # as if its constructor had not been recorded
+    buffer_rebuild.CONSTRUCTED.pop(empty.table, None)  # as if its constructor had not been recorded
     empty.__dict__.pop("config", None)
     with nan_sentinel():
         empty.to_empty(device="cpu")
@@ -141,13 +141,13 @@ def test_nothing_recorded_for_a_model_built_normally(tmp_path, monkeypatch):
     with init_empty_weights(include_buffers=True):
         assert torch.nn.Module.__init__ is not init
     assert torch.nn.Module.__init__ is init  # restored
-    assert model not in _buffer_rebuild.CONSTRUCTED and model.table not in _buffer_rebuild.CONSTRUCTED
+    assert model not in buffer_rebuild.CONSTRUCTED and model.table not in buffer_rebuild.CONSTRUCTED
 
     def no_walk(*args, **kwargs):
         raise AssertionError("the patch walked a model not built under init_empty_weights")
 
-    monkeypatch.setattr(_buffer_rebuild, "refill", no_walk)
-    monkeypatch.setattr(_buffer_rebuild, "record", no_walk)
+    monkeypatch.setattr(buffer_rebuild, "refill", no_walk)
+    monkeypatch.setattr(buffer_rebuild, "record", no_walk)
     model.to_empty(device="cpu")
     load_checkpoint_in_model(model, str(tmp_path / "model.safetensors"), device_map={"proj": "cpu", "table": "cpu"})
 
@@ -172,8 +172,8 @@ def test_decorated_constructor_is_captured_without_self():
 
     with init_empty_weights(include_buffers=True):
         module = Decorated(16, base=7.0)
-    assert _buffer_rebuild.CONSTRUCTED[module] == ((16,), {"base": 7.0})
-    assert torch.equal(_buffer_rebuild._buffers_by_constructor(module, None)["inv_freq"], _Table(16, base=7.0).inv_freq)
+    assert buffer_rebuild.CONSTRUCTED[module] == ((16,), {"base": 7.0})
+    assert torch.equal(buffer_rebuild._buffers_by_constructor(module, None)["inv_freq"], _Table(16, base=7.0).inv_freq)
 
 
 def test_a_plain_module_built_on_meta_is_left_as_torch_leaves_it():

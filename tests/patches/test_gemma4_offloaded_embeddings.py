@@ -1,5 +1,5 @@
 """gemma4-offloaded-embeddings: three-way proof on tiny Gemma 4 models with per-layer inputs and embed_tokens on
-disk (subprocesses), plus in-process checks of the shared mechanism (metapatch._offloaded_weights) that
+disk (subprocesses), plus in-process checks of the shared mechanism (metapatch._offload.offloaded_weights) that
 diffusion-gemma-offloaded-embeddings uses too.
 
 Measured unpatched (RuntimeError "Tensor on device meta is not on the expected device cpu!"): transformers
@@ -64,7 +64,7 @@ class ReadsWeightDirectly(torch.nn.Module):
 
 
 def _offloaded():
-    from metapatch._offloaded_weights import call_with_materialised
+    from metapatch._offload.offloaded_weights import call_with_materialised
 
     torch.manual_seed(0)
     module = ReadsWeightDirectly().eval()
@@ -108,7 +108,7 @@ def test_offloaded_again_when_the_call_raises():
 
 
 def test_nested_use_and_modules_without_hooks():
-    from metapatch._offloaded_weights import materialised, offload_hooks
+    from metapatch._offload.offloaded_weights import materialised, offload_hooks
 
     module, ids, expected, _ = _offloaded()
     with materialised(module.embed):

@@ -261,7 +261,7 @@ def _disk_layer(offloaded):
 
 
 def test_a_write_into_a_stand_in_is_refused_naming_the_tensor(offloaded):
-    from metapatch._adapter_offload import base_layer_stood_in
+    from metapatch._offload.adapter_offload import base_layer_stood_in
 
     layer = _disk_layer(offloaded)
     with pytest.raises(MetapatchError, match=r"Linear\.weight"):
@@ -272,7 +272,7 @@ def test_a_write_into_a_stand_in_is_refused_naming_the_tensor(offloaded):
 
 
 def test_a_changed_tensor_of_another_class_is_refused_naming_it(offloaded):
-    from metapatch._adapter_offload import base_layer_onloaded
+    from metapatch._offload.adapter_offload import base_layer_onloaded
 
     class Quantized(torch.nn.Parameter):
         pass
@@ -284,7 +284,7 @@ def test_a_changed_tensor_of_another_class_is_refused_naming_it(offloaded):
 
 
 def test_writes_through_data_in_place_are_kept(offloaded):
-    from metapatch._adapter_offload import base_layer_onloaded
+    from metapatch._offload.adapter_offload import base_layer_onloaded
 
     layer = _disk_layer(offloaded)
     x = torch.randn(2, layer.in_features)

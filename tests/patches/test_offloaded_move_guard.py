@@ -10,7 +10,7 @@ import pytest
 
 import metapatch
 from metapatch import MetapatchError
-from metapatch._registry import Registry
+from metapatch._framework.registry import Registry
 from metapatch.patches.offloaded_move_guard import PATCH
 
 from _three_way import ThreeWayCase  # tests/patches/_three_way.py

@@ -43,7 +43,7 @@ class TestThreeWay(ThreeWayCase):
 
 
 def test_resized_weights_are_served_in_front_of_the_old_map():
-    from metapatch._offload_store import Overlay  # the resize keeps its tensors in the store's overlay
+    from metapatch._offload.store import Overlay  # the resize keeps its tensors in the store's overlay
 
     old = {"weight": "old weight", "bias": "old bias"}
     resized = {"weight": "new weight"}

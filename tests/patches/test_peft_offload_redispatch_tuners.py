@@ -178,7 +178,7 @@ def test_hold_hook_keeps_an_offloaded_layer_onloaded_for_the_whole_forward():
     pytest.importorskip("accelerate")
     from accelerate.hooks import AlignDevicesHook, add_hook_to_module
 
-    from metapatch._adapter_offload import HoldBaseLayerHook, base_layer_onloaded, offload_hook
+    from metapatch._offload.adapter_offload import HoldBaseLayerHook, base_layer_onloaded, offload_hook
 
     layer = torch.nn.Linear(3, 2)
     weight = layer.weight.detach().clone()
@@ -215,7 +215,7 @@ def test_move_adapter_goes_to_the_execution_device_not_meta():
     pytest.importorskip("accelerate")
     from accelerate.hooks import AlignDevicesHook, add_hook_to_module
 
-    from metapatch._adapter_offload import move_adapter_to_execution_device
+    from metapatch._offload.adapter_offload import move_adapter_to_execution_device
 
     class Layer(torch.nn.Module):
         adapter_layer_names = ("scales",)

@@ -11,8 +11,8 @@ import copy
 import pytest
 
 import metapatch  # noqa: F401 - first: the patches under test
-from metapatch._adapter_offload import named_modules
-from metapatch._tied_members import _attribute
+from metapatch._offload.adapter_offload import named_modules
+from metapatch._offload.tied_members import _attribute
 from metapatch.selftest._models import save_tiny_llama
 from metapatch.selftest._peft import offload_map
 
@@ -84,15 +84,15 @@ def test_declared_ties_probe_is_getattr():
 
 
 def test_operation_end_removes_watchers_from_a_copy():
-    from metapatch import _offload_store
+    from metapatch._offload import store as offload_store
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 2))
-    with _offload_store.Operation("test") as operation:
+    with offload_store.Operation("test") as operation:
         operation.watch_loads(model)
         model.add_module("copied", copy.deepcopy(model))  # as PEFT's modules_to_save copies a module
         assert model.copied._load_state_dict_pre_hooks
     assert not model._load_state_dict_pre_hooks and not model.copied._load_state_dict_pre_hooks
-    with _offload_store.Operation("test") as operation:
+    with offload_store.Operation("test") as operation:
         operation.watch_loads(model)
     assert not model._load_state_dict_pre_hooks
 

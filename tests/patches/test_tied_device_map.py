@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 import metapatch
-from metapatch import _tied_groups as tg
+from metapatch._offload import tied_groups as tg
 from metapatch.diffs import _as_package_relative, _run_patch, diffs_for
 from metapatch.patches.diffusion_gemma_offloaded_embeddings import PATCH as EMBED_PATCH
 from metapatch.patches.tied_device_map_accelerate import PATCH as ACC_PATCH
@@ -279,7 +279,7 @@ def test_module_import_is_cheap():
     import subprocess
     import sys
 
-    code = ("import sys, metapatch._tied_groups, metapatch.patches.tied_device_map_transformers, "
+    code = ("import sys, metapatch._offload.tied_groups, metapatch.patches.tied_device_map_transformers, "
             "metapatch.patches.tied_device_map_accelerate; "
             "print(sorted(m for m in ('torch', 'transformers', 'accelerate') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

@@ -1,7 +1,7 @@
 """A tied output head *with a bias* beside an input embedding on disk (found by ``metapatch sweep``,
 placement first-on-disk): BertLMHeadModel, BigBirdForCausalLM, CTRLLMHeadModel, Data2VecTextForCausalLM.
 
-The explicit-map repair (tied-device-map-transformers, metapatch._tied_groups.Placement) used to move
+The explicit-map repair (tied-device-map-transformers, metapatch._offload.tied_groups.Placement) used to move
 only the tied parameter (``cls.predictions.decoder.weight: disk`` beside ``...decoder.bias: cpu``);
 accelerate hooks modules, so the weight stayed on meta with no hook and the head computed on the
 placeholder (garbage logits, later refused by offloaded-outside-reads). A leaf module now moves whole:
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from metapatch import _tied_groups as tg
+from metapatch._offload import tied_groups as tg
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -17,7 +17,7 @@ Upstream PEFT (0.17.0-0.21.2 measured, unfixed on main):
 
 Here:
 
-* an adapter's tensors follow its base layer's offload hook (:mod:`metapatch._adapter_offload`,
+* an adapter's tensors follow its base layer's offload hook (:mod:`metapatch._offload.adapter_offload`,
   the one mechanism for every tuner): created next to an onloaded base layer (or, for a plain LoRA
   whose initialisation reads no base value, one stood in for by empty tensors: no disk read),
   placed on the hook's execution device, never hooked themselves, and the base layer onloaded for
@@ -25,7 +25,7 @@ Here:
   value);
 * what PEFT writes into an offloaded base layer meanwhile (PiSSA's and OLoRA's residual at creation and
   when a saved adapter re-runs it, a merge, a saved embedding layer or ``modules_to_save`` tensor loaded
-  into an offloaded module) is kept for its hook to serve (:mod:`metapatch._offload_store`: an overlay
+  into an offloaded module) is kept for its hook to serve (:mod:`metapatch._offload.store`: an overlay
   in CPU memory in front of the weights map, nothing written), or refused with a ``MetapatchError``
   naming the tensor; a model with nothing offloaded is left to upstream, call for call;
 * upstream's re-dispatch is skipped (``hf_device_map`` is hidden from ``from_pretrained`` and
@@ -51,7 +51,7 @@ Where the upstream series (``upstream_diffs/peft-offload-redispatch/peft-N-*.dif
 measured by ``metapatch diffs check --run`` and pinned by ``tests/patches/test_peft_offload_redispatch_tuners.py``:
 
 * training through an offloaded 4-bit (bitsandbytes) layer: metapatch hangs
-  :class:`~metapatch._adapter_offload.KeepQuantStateHook` in front of each such layer's offload hook,
+  :class:`~metapatch._offload.adapter_offload.KeepQuantStateHook` in front of each such layer's offload hook,
   because offloading the weight after a forward moves the very ``QuantState`` autograd saved to meta
   (``Params4bit.to`` works in place) and the backward then dequantizes garbage. With the series alone
   the nf4 training step's gradients are NaN (upstream: an error). The fix belongs in bitsandbytes
@@ -65,7 +65,7 @@ measured by ``metapatch diffs check --run`` and pinned by ``tests/patches/test_p
 
 from __future__ import annotations
 
-from metapatch._records import Patch, Target, Upstream
+from metapatch._framework.records import Patch, Target, Upstream
 
 from . import _saving, _wrappers
 from ._onload import onload_layer_replacement

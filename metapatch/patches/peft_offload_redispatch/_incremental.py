@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
-from metapatch._tied_groups import entry_of
+from metapatch._offload.tied_groups import entry_of
 
 from ._placement import _main_device
 
@@ -83,7 +83,7 @@ def apply(model: Any, base: Any, current: Dict[str, Any], device_map: Dict[str, 
     tied tensor that moves; the caller then takes the full re-dispatch."""
     from accelerate.hooks import attach_align_device_hook_on_blocks, remove_hook_from_module
 
-    from metapatch._adapter_offload import follow_base_layer_hooks, named_modules
+    from metapatch._offload.adapter_offload import follow_base_layer_hooks, named_modules
 
     from ..accelerate_dispatch_skip_keys import model_skip_keys
     from ._redispatch import _place_tensors

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Iterable, List, Optional
 
-from metapatch._records import MetapatchError
+from metapatch._framework.records import MetapatchError
 
 OFFLOADED_DEVICES = {"cpu", "disk"}
 
@@ -33,7 +33,7 @@ def _base_prefix(model: Any, base: Any) -> str:
         return "base_model"
     if getattr(tuner, "__dict__", {}).get("_modules", {}).get("model") is base:
         return "base_model.model"
-    from metapatch._adapter_offload import named_modules
+    from metapatch._offload.adapter_offload import named_modules
 
     for name, module in named_modules(model):
         if module is base:
@@ -45,7 +45,7 @@ def _user_map(model: Any, base: Any, prefix: str, device_map: Dict[str, Any],
               module_names: Optional[List[str]] = None) -> Dict[str, Any]:
     """A user's map in the wrapper's names: the base's own names (what the seed passed) are re-keyed.
     ``module_names``: ``named_modules(model)``'s names, where the caller has walked the model."""
-    from metapatch._adapter_offload import named_modules
+    from metapatch._offload.adapter_offload import named_modules
 
     if module_names is None:
         module_names = [name for name, _ in named_modules(model)]
@@ -81,7 +81,7 @@ def _inferred_map(model: Any, strategy: str, max_memory: Any) -> Dict[str, Any]:
 
 def _placement_of(name: str, device_map: Dict[str, Any]) -> Any:
     """Where ``device_map`` places ``name`` (its longest dotted prefix, as accelerate reads maps), or None."""
-    from metapatch._tied_groups import entry_of
+    from metapatch._offload.tied_groups import entry_of
 
     key = entry_of(device_map, name)
     return None if key is None else device_map[key]
@@ -91,7 +91,7 @@ def _cover_the_rest(model: Any, device_map: Dict[str, Any], main: Any, names: Op
     """Modules outside the base (prompt encoders, shared banks) go to the main device, as upstream's
     freshly inferred map would put them. ``names``: the model's tensor names under every path, where
     the caller has them (its walk of the unchanged model); else ``state_dict``'s."""
-    from metapatch._tied_groups import entry_of
+    from metapatch._offload.tied_groups import entry_of
 
     # accelerate checks coverage against state_dict's names, which list a shared module under every
     # path (VeRA's vera_A/vera_B buffers: in each layer and on the tuner model itself).

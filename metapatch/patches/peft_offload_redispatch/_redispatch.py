@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import Any, Dict, Iterator, Optional, Tuple
 
-from metapatch._records import MetapatchError
+from metapatch._framework.records import MetapatchError
 
 from ..accelerate_dispatch_skip_keys import model_skip_keys
-from metapatch._adapter_offload import follow_base_layer_hooks
+from metapatch._offload.adapter_offload import follow_base_layer_hooks
 
 from . import _incremental
 from ._placement import base_model_of, _main_device, _placement_of, new_placement
@@ -208,7 +208,7 @@ def _served_placement(model: Any, base: Any, sources: Dict[str, Any],
     most of the cost of adding an adapter to an offloaded base), or changed only where a new
     placement differs. None for anything else (a tensor outside the base on another device, a meta
     tensor no hook knows): the full re-dispatch."""
-    from metapatch._tied_groups import entry_of
+    from metapatch._offload.tied_groups import entry_of
 
     if known is None:
         known = {}

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-from metapatch import _offload_store
-from metapatch._records import MetapatchError
+from metapatch._offload import store as offload_store
+from metapatch._framework.records import MetapatchError
 
 
 def _offloaded(model: Any) -> bool:
@@ -29,7 +29,7 @@ def _offloaded(model: Any) -> bool:
         if state is None:
             continue
         device_map = state.get("hf_device_map")
-        if isinstance(device_map, dict) and _offload_store.map_offloads(device_map):
+        if isinstance(device_map, dict) and offload_store.map_offloads(device_map):
             return True
         if "_hf_hook" in state:
             return True
@@ -86,7 +86,7 @@ def served_value(model: Any, name: str, placeholder: Any) -> Any:
             owner = model.get_submodule(".".join(parts[:depth]))
         except AttributeError:
             return placeholder
-        hook = _offload_store.offload_hook(owner)
+        hook = offload_store.offload_hook(owner)
         if hook is None:
             continue
         if depth < len(parts) and not hook.place_submodules:

@@ -35,9 +35,9 @@ class OffloadedTensors(Mapping):
 
 
 def _source(weights_map: Any, key: str) -> Optional[Tuple[Any, Optional[str]]]:
-    """What really holds ``key`` of an accelerate weights map (:func:`metapatch._hook_state.locate`,
+    """What really holds ``key`` of an accelerate weights map (:func:`metapatch._offload.hook_state.locate`,
     which reads nothing from disk): (tensor, None) in memory, (loader, key) on disk."""
-    from metapatch._hook_state import DISK, locate
+    from metapatch._offload.hook_state import DISK, locate
 
     found = locate(weights_map, key)
     if found is None:
@@ -50,8 +50,8 @@ def _source(weights_map: Any, key: str) -> Optional[Tuple[Any, Optional[str]]]:
 def capture_sources(root: Any) -> Dict[int, Tuple[Any, Dict[str, Any]]]:
     """Where every tensor offloaded by an accelerate hook under ``root`` is read from, keyed by the
     module object (names change when PEFT wraps a layer; the module does not)."""
-    from metapatch._hook_state import offload_hooks
-    from metapatch._module_walk import modules
+    from metapatch._offload.hook_state import offload_hooks
+    from metapatch._offload.module_walk import modules
 
     found: Dict[int, Tuple[Any, Dict[str, Any]]] = {}
     for module in modules(root):
@@ -74,7 +74,7 @@ def _sources_by_name(model: Any, captured: Dict[int, Tuple[Any, Dict[str, Any]]]
                      modules: Optional[Iterable[Tuple[str, Any]]] = None) -> Dict[str, Any]:
     """The captured sources under the tensors' current names. ``modules``: ``named_modules(model)``,
     where the caller has walked the model already."""
-    from metapatch._adapter_offload import named_modules
+    from metapatch._offload.adapter_offload import named_modules
 
     named = {}
     for module_name, module in (named_modules(model) if modules is None else modules):

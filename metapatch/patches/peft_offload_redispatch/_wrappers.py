@@ -6,7 +6,7 @@ import contextlib
 import contextvars
 from typing import Any, Dict, Iterator
 
-from metapatch import _adapter_offload, _offload_store
+from metapatch._offload import adapter_offload, store as offload_store
 
 from ._placement import is_offloaded
 from ._redispatch import redispatch
@@ -67,7 +67,7 @@ def from_pretrained(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
             result = _keeping_writes(model, "PeftModel.from_pretrained", wrapped, args, kwargs)
     finally:
         _ADDING.reset(token)
-    _offload_store.refresh_sources(adding.captured)
+    offload_store.refresh_sources(adding.captured)
     redispatch(result, adding.captured, adding.options)
     return result
 
@@ -75,7 +75,7 @@ def from_pretrained(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
 def _keeping_writes(model: Any, what: str, wrapped: Any, args: tuple, kwargs: dict) -> Any:
     """``wrapped`` as one store operation over ``model``: a tensor it loads into an offloaded module
     (a saved embedding layer, ``modules_to_save``) is kept for that module's hook to serve."""
-    with _offload_store.Operation(what) as operation:
+    with offload_store.Operation(what) as operation:
         operation.watch_loads(model)
         result = wrapped(*args, **kwargs)
         operation.adopt_materialised(model)
@@ -109,7 +109,7 @@ def load_adapter(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
             result = _keeping_writes(instance, "PeftModel.load_adapter", wrapped, args, kwargs)
     finally:
         _ADDING.reset(token)
-    _offload_store.refresh_sources(adding.captured)
+    offload_store.refresh_sources(adding.captured)
     redispatch(instance, adding.captured, options)
     return result
 
@@ -122,12 +122,12 @@ def inject_adapter(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
     provably reads no base value, the base layer is only stood in for (no read of a disk-offloaded
     weight: a third of what an adapter load over an offloaded base cost on top of upstream). What a
     creation writes into an onloaded base layer (PiSSA's and OLoRA's residual) is kept for its hook
-    to serve (:mod:`metapatch._offload_store`). A model with nothing offloaded is left to upstream
+    to serve (:mod:`metapatch._offload.store`). A model with nothing offloaded is left to upstream
     untouched: no walk, no attribute read."""
     model = args[0] if args else kwargs.get("model")
     if not _may_be_offloaded(model):
         return wrapped(*args, **kwargs)
-    _offload_store.mark_tied(model)  # before any tuner layer wraps a tied module
+    offload_store.mark_tied(model)  # before any tuner layer wraps a tied module
     tuner_create = instance._create_and_replace
 
     def create_and_replace(*c_args: Any, **c_kwargs: Any) -> Any:
@@ -137,9 +137,9 @@ def inject_adapter(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
         config = c_args[0] if c_args else next((v for k, v in c_kwargs.items() if k.endswith("config")), None)
         what = f"creating the {type(instance).__name__} adapter over {type(target).__name__}"
         if _reads_no_base_value(instance, config, target):
-            with _adapter_offload.base_layer_stood_in(target, what):
+            with adapter_offload.base_layer_stood_in(target, what):
                 return tuner_create(*c_args, **c_kwargs)
-        with _adapter_offload.base_layer_onloaded(target, what):
+        with adapter_offload.base_layer_onloaded(target, what):
             return tuner_create(*c_args, **c_kwargs)
 
     instance.__dict__["_create_and_replace"] = create_and_replace
@@ -147,7 +147,7 @@ def inject_adapter(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
         result = wrapped(*args, **kwargs)
     finally:
         instance.__dict__.pop("_create_and_replace", None)
-    _adapter_offload.follow_base_layer_hooks(instance.model, allow_meta=_created_empty(args, kwargs))
+    adapter_offload.follow_base_layer_hooks(instance.model, allow_meta=_created_empty(args, kwargs))
     return result
 
 
@@ -156,12 +156,12 @@ def _may_be_offloaded(model: Any) -> bool:
     with an offloaded entry (as ``dispatch_model`` decides: ``disk``, or ``cpu`` beside an
     accelerator), or an accelerate hook on the model itself without a map (``cpu_offload``), or an
     entry point that found it offloaded is running."""
-    if _offload_store.current() is not None or _ADDING.get() is not None:
+    if offload_store.current() is not None or _ADDING.get() is not None:
         return True  # inside an entry point that found the model offloaded (and hid its map)
     state = getattr(model, "__dict__", {})
     device_map = state.get("hf_device_map")
     if isinstance(device_map, dict):
-        return _offload_store.map_offloads(device_map)
+        return offload_store.map_offloads(device_map)
     return "_hf_hook" in state
 
 
@@ -189,7 +189,7 @@ def _reads_no_base_value(tuner: Any, config: Any, target: Any) -> bool:
         return False
     if any(getattr(config, name, None) for name in _variant_fields(type(config))):
         return False
-    return type(_adapter_offload.base_layer_of(target)) in (torch.nn.Linear, torch.nn.Embedding)
+    return type(adapter_offload.base_layer_of(target)) in (torch.nn.Linear, torch.nn.Embedding)
 
 
 _VARIANT_FIELDS: Dict[type, tuple] = {}
@@ -226,9 +226,9 @@ def move_adapter(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     values would be lost, and where loading it would be a no-op)."""
     device = args[1] if len(args) > 1 else kwargs.get("device")
     adapter_name = args[0] if args else kwargs.get("adapter_name")
-    if _offload_store.offload_hook(_offload_store.innermost_base_layer(instance)) is None:
+    if offload_store.offload_hook(offload_store.innermost_base_layer(instance)) is None:
         return wrapped(*args, **kwargs)  # the base layer is not offloaded: upstream, untouched
     if device is None and adapter_name is not None \
-            and _adapter_offload.move_adapter_to_execution_device(instance, adapter_name):
+            and adapter_offload.move_adapter_to_execution_device(instance, adapter_name):
         return None
     return wrapped(*args, **kwargs)

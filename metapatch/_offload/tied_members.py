@@ -1,4 +1,4 @@
-"""Which parameters are tied, and what a tied group costs (part of metapatch._tied_groups, which
+"""Which parameters are tied, and what a tied group costs (part of metapatch._offload.tied_groups, which
 re-exports everything here).
 
 * :func:`tied_groups` reads ties from what the model *declares* (transformers' regex-expanded
@@ -31,7 +31,7 @@ def _declared_mappings(model: Any) -> Iterable[Tuple[str, Mapping[str, str]]]:
     transformers expands regex ``_tied_weights_keys`` once, in ``post_init``, into
     ``all_tied_weights_keys`` (submodels included), so reading it costs nothing; a module nested
     inside such a model is covered by its parent's mapping and skipped."""
-    from metapatch._module_walk import named_modules
+    from metapatch._offload.module_walk import named_modules
 
     covered: List[str] = []
     for prefix, module in named_modules(model):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Tuple
 
-from ._records import Target
+from .records import Target
 
 # The attribute that marks an installed object: (patch id, target dotted path, original object).
 # The "_self_" prefix keeps wrapt proxies from forwarding the attribute to the wrapped function.
@@ -36,7 +36,7 @@ def fingerprint(obj: Any) -> str:
     so upstream reformatting does not make a patch stale but any change to the logic does."""
     import inspect
 
-    from ._fingerprints import fingerprint_source  # shared with the static reader (metapatch survey)
+    from .fingerprints import fingerprint_source  # shared with the static reader (metapatch survey)
 
     return fingerprint_source(inspect.getsource(_source_object(obj)))
 

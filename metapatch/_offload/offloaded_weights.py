@@ -19,8 +19,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-from metapatch._hook_state import offload_hooks  # noqa: F401 - re-exported: patches import it from here
-from metapatch._records import MetapatchError
+from metapatch._offload.hook_state import offload_hooks  # noqa: F401 - re-exported: patches import it from here
+from metapatch._framework.records import MetapatchError
 
 
 class OffloadedWriteError(MetapatchError, RuntimeError):
@@ -38,7 +38,7 @@ def _signatures(module: Any, hook: Any) -> Dict[str, _Signature]:
     version: only a replacement shows there. Quantized tensor classes are left to their library:
     bitsandbytes repacks 4-bit weights on a first forward, and repacks the reloaded ones the same way on
     the next, so nothing is lost there."""
-    from metapatch._offload_store import _plain, hook_tensors
+    from metapatch._offload.store import _plain, hook_tensors
 
     signatures = {}
     for name, tensor in hook_tensors(module, hook):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Iterable, List, Tuple
 
-from metapatch._records import MetapatchError
+from metapatch._framework.records import MetapatchError
 
 Entry = Tuple[str, Any, str, str]  # (qualified name, owning module, "param" | "buffer", local name)
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Iterable, List, Optional, Tuple
 
-from ._gate import Gate
-from ._records import Patch, State
-from ._sites import PatchStatus, Planned, conflict_reason
-from ._targets import MARKER, fingerprint, replaced_by, resolve
+from .gate import Gate
+from .records import Patch, State
+from .sites import PatchStatus, Planned, conflict_reason
+from .targets import MARKER, fingerprint, replaced_by, resolve
 
 
 def plan(patch: Patch, module: Any, status: PatchStatus, gate: Gate) -> Tuple[List[Planned], Optional[Tuple[State, str]]]:

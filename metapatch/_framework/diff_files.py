@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-DIFFS_ROOT = Path(__file__).resolve().parent.parent / "upstream_diffs"
+DIFFS_ROOT = Path(__file__).resolve().parents[2] / "upstream_diffs"
 DIFFS_ROOT_ENV = "METAPATCH_DIFFS_ROOT"
 DEP3_FIELDS = ("Description", "Origin", "Bug", "Forwarded", "Applied-Upstream", "Last-Update")
 # Optional, metapatch's own: the upstream release the diff was written against (a PR targets main; on
@@ -112,7 +112,7 @@ def series_problem(series: Sequence["UpstreamDiff"]) -> Optional[str]:
 
 
 def _package_relative(path: str, package: str) -> Optional[str]:
-    from ._records import project_of
+    from .records import project_of
 
     for prefix in (f"src/{package}/", f"{package}/", f"{project_of(package).package_folder}{package}/"):
         if path.startswith(prefix):
@@ -127,7 +127,7 @@ def diffs_root() -> Path:
     override = os.environ.get(DIFFS_ROOT_ENV, "").strip()
     if override:
         return Path(override)
-    packaged = Path(__file__).resolve().parent / "upstream_diffs"
+    packaged = Path(__file__).resolve().parents[1] / "upstream_diffs"
     return packaged if not DIFFS_ROOT.is_dir() and packaged.is_dir() else DIFFS_ROOT
 
 

@@ -23,7 +23,7 @@ The one mechanism here, whatever the tuner:
   their values from its weights map), and hangs a :class:`HoldBaseLayerHook` on the tuner layer: the
   base layer stays onloaded for the whole forward of the tuner layer, so every direct read of its
   weight sees the real value. Anything still on ``meta`` afterwards is refused with a
-  :class:`~metapatch._records.MetapatchError` naming the layer.
+  :class:`~metapatch._framework.records.MetapatchError` naming the layer.
 
 Imports of torch/accelerate/peft happen inside functions: ``import metapatch`` stays light.
 """
@@ -34,15 +34,15 @@ import contextlib
 import sys
 from typing import Any, Iterator, List, Optional, Tuple
 
-from metapatch import _hook_state, _offload_store
-from metapatch._module_walk import named_modules  # noqa: F401  (the shared walk; callers import it from here too)
-from metapatch._records import MetapatchError
+from metapatch._offload import hook_state, store as offload_store
+from metapatch._offload.module_walk import named_modules  # noqa: F401  (the shared walk; callers import it from here too)
+from metapatch._framework.records import MetapatchError
 
 
 def offload_hook(module: Any) -> Optional[Any]:
     """The accelerate ``AlignDevicesHook`` that offloads ``module``'s own weights, if any (also found
-    inside a ``SequentialHook``): :func:`metapatch._hook_state.offload_hook`, the one reader."""
-    return _hook_state.offload_hook(module)
+    inside a ``SequentialHook``): :func:`metapatch._offload.hook_state.offload_hook`, the one reader."""
+    return hook_state.offload_hook(module)
 
 
 def _held(hook: Any) -> bool:
@@ -89,13 +89,13 @@ def base_layer_onloaded(module: Any, what: str = "creating an adapter") -> Itera
     """The base layer of ``module`` (a tuner layer or a plain layer) holds its real weights inside
     the block, if it is offloaded; otherwise nothing happens. What the block writes into them
     (PiSSA's and OLoRA's residual, a merge) is kept for the offload hook to serve, or refused
-    (:class:`metapatch._offload_store.Operation`)."""
+    (:class:`metapatch._offload.store.Operation`)."""
     base_layer = base_layer_of(module)
     offloaded = [(sub, hook) for sub in base_layer.modules() for hook in (offload_hook(sub),) if hook is not None]
     if not offloaded:
         yield
         return
-    with _offload_store.Operation(what) as operation:
+    with offload_store.Operation(what) as operation:
         for sub, hook in offloaded:
             operation.onload(sub, hook)
         yield
@@ -105,7 +105,7 @@ def base_layer_onloaded(module: Any, what: str = "creating an adapter") -> Itera
 def base_layer_stood_in(module: Any, what: str = "creating an adapter") -> Iterator[None]:
     """The offloaded tensors of ``module``'s base layer are stood in for, inside the block, by
     uninitialised tensors of the same shape and dtype on the hook's execution device
-    (:func:`metapatch._offload_store.stood_in`: the offloaded values are never read, a write into a
+    (:func:`metapatch._offload.store.stood_in`: the offloaded values are never read, a write into a
     stand-in is refused). Only for code that reads where and what the base weight is, never its
     values (a LoRA layer created with a value-free initialisation): anything else must use
     :func:`base_layer_onloaded`. Falls back to it for tensors of a class other than ``Parameter``
@@ -123,7 +123,7 @@ def base_layer_stood_in(module: Any, what: str = "creating an adapter") -> Itera
         with base_layer_onloaded(module, what):
             yield
         return
-    with _offload_store.stood_in(base_layer, execution_device(module), what):
+    with offload_store.stood_in(base_layer, execution_device(module), what):
         yield
 
 
@@ -137,7 +137,7 @@ def base_layer_of(module: Any) -> Any:
         return module
     tuners_utils = sys.modules.get("peft.tuners.tuners_utils")
     if tuners_utils is not None and get_base_layer is getattr(tuners_utils.BaseTunerLayer, "get_base_layer", None):
-        return _offload_store.innermost_base_layer(module)
+        return offload_store.innermost_base_layer(module)
     get_base_layer = getattr(module, "get_base_layer", None)
     return get_base_layer() if callable(get_base_layer) else module
 
@@ -313,7 +313,7 @@ def _keep_quant_state_of(module: Any) -> None:
 
 
 def _hold_hook_of(layer: Any) -> Optional[HoldBaseLayerHook]:
-    return next((h for h in _hook_state.hooks_on(layer) if isinstance(h, HoldBaseLayerHook)), None)
+    return next((h for h in hook_state.hooks_on(layer) if isinstance(h, HoldBaseLayerHook)), None)
 
 
 def _trainable_copies_in_memory(wrappers: List[Tuple[str, Any]]) -> int:

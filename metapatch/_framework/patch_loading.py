@@ -8,7 +8,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, Dict, Iterable, Iterator, List, Tuple
 
-from ._records import Patch
+from .records import Patch
 
 
 def load_patches(package: str = "metapatch.patches") -> List[Patch]:

@@ -21,7 +21,7 @@ import contextlib
 import weakref
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from metapatch._records import MetapatchError
+from metapatch._framework.records import MetapatchError
 
 # (qualified name, owning module, local name, tensor, its _version when materialised)
 Pending = Tuple[str, Any, str, Any, int]

@@ -40,7 +40,7 @@ class Target:
     """One object a patch replaces.
 
     ``module`` is the module that defines it and ``qualname`` its path inside that module
-    (``"QuantState.as_dict"``). ``fingerprints`` are :func:`metapatch._registry.fingerprint`
+    (``"QuantState.as_dict"``). ``fingerprints`` are :func:`metapatch._framework.registry.fingerprint`
     values of the upstream source the patch was written against; any other source makes the
     patch ``stale``. Exactly one of ``wrapper`` (a wrapt wrapper ``(wrapped, instance, args,
     kwargs)``) or ``replacement`` (a factory ``original -> new object``, for hot paths where a
@@ -131,7 +131,7 @@ class Patch:
     target (each for its own bug): the registry applies those first, keeps that order whichever is
     imported or installed first, and takes this one off and puts it back when one of them is unpatched.
 
-    ``diffs`` are found in ``upstream_diffs/<id>/`` (:func:`metapatch._diff_files.diff_paths_of`); only a
+    ``diffs`` are found in ``upstream_diffs/<id>/`` (:func:`metapatch._framework.diff_files.diff_paths_of`); only a
     test's fake patch, whose diffs live elsewhere, lists them (shipped records never do: a test checks).
 
     ``selftest`` is the selftest module of the patch's own scenarios (``Scenario.patch_id``); a record
@@ -168,7 +168,7 @@ class Patch:
         """``upstream_diffs/<id>/<package>[-<N>-<slug>].diff`` paths, in series order."""
         if self._diffs is not None:
             return self._diffs
-        from ._diff_files import diff_paths_of  # (only when asked: status, the diff commands)
+        from .diff_files import diff_paths_of  # (only when asked: status, the diff commands)
 
         return diff_paths_of(self.id)
 
@@ -177,7 +177,7 @@ class Patch:
         """The module holding the patch's reproducers (imports the selftest modules when not declared)."""
         if self._selftest is not None:
             return self._selftest
-        from .selftest import all_scenarios  # cheap by convention: scenarios import torch when they run
+        from ..selftest import all_scenarios  # cheap by convention: scenarios import torch when they run
 
         return next((s.function.partition(":")[0] for s in all_scenarios() if s.patch_id == self.id), None)
 

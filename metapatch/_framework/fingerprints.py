@@ -1,5 +1,5 @@
 """Source fingerprints from source text: the one normalisation shared by the runtime check
-(:func:`metapatch._registry.fingerprint`, which reads ``inspect.getsource``) and the static reader
+(:func:`metapatch._framework.registry.fingerprint`, which reads ``inspect.getsource``) and the static reader
 of ``metapatch survey`` (which reads a wheel's file without installing it).
 
 The hash ignores formatting, comments and docstrings, so upstream reformatting does not make a

@@ -19,7 +19,7 @@ import threading
 import warnings
 from typing import Any, Hashable, Iterable, Optional, Type
 
-from ._records import MetapatchWarning
+from .records import MetapatchWarning
 
 # Top-level packages whose frames are never "the user's line".
 LIBRARY_PACKAGES = frozenset({

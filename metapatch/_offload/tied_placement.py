@@ -1,4 +1,4 @@
-"""Device maps repaired so that each tied group sits on one device (part of metapatch._tied_groups,
+"""Device maps repaired so that each tied group sits on one device (part of metapatch._offload.tied_groups,
 which re-exports everything here).
 
 :class:`Placement` takes a map computed as if nothing were tied and moves or refines entries until
@@ -16,7 +16,7 @@ from functools import cached_property
 from itertools import islice
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
-from ._tied_members import Group, all_parameters
+from .tied_members import Group, all_parameters
 
 
 class TiedGroupsSplitWarning(UserWarning):
@@ -302,6 +302,6 @@ def warn_split_groups(moves: Sequence[Tuple[str, str, Any, Any]], stacklevel: in
                "without a value (meta) after dispatch; they now read their source's value: "
                + split_pairs_message(moves))
     # One channel, at the user's line (not transformers' from_pretrained); ``stacklevel`` is unused.
-    from ._warn import warn
+    from .._framework.warn import warn
 
     warn(message, TiedGroupsSplitWarning)

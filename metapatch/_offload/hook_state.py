@@ -3,7 +3,7 @@
 Patches, :mod:`metapatch.diagnose`, the move guard and the offload store all ask the same questions of
 accelerate's objects; the answers differed while each of them read ``_hf_hook`` on its own (the move
 guard called a hook without a ``weights_map`` "the offload store", diagnose called it "cpu"; both
-called a disk-offloaded module "cpu" once an :class:`metapatch._offload_store.Overlay` stood in front
+called a disk-offloaded module "cpu" once an :class:`metapatch._offload.store.Overlay` stood in front
 of its loader). Here each answer is written once:
 
 * :func:`hooks_on`, :func:`align_hooks`, :func:`offload_hooks`, :func:`offload_hook`: the hooks on a
@@ -84,7 +84,7 @@ _OPAQUE = object()  # a store this reader cannot look into
 
 
 def _find(weights_map: Any, key: str) -> Any:
-    from metapatch._offload_store import Overlay  # (imports nothing heavy; lazily: the store imports us)
+    from metapatch._offload.store import Overlay  # (imports nothing heavy; lazily: the store imports us)
 
     for _ in range(32):
         if weights_map is None:

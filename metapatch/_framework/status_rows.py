@@ -6,12 +6,12 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any, Dict, List
 
-from ._records import MetapatchError, State
-from ._sites import PatchStatus, replaced_after
-from ._targets import _initializing
+from .records import MetapatchError, State
+from .sites import PatchStatus, replaced_after
+from .targets import _initializing
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ._registry import Registry
+    from .registry import Registry
 
 
 def status_rows(registry: "Registry") -> List[Dict[str, Any]]:

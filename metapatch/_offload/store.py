@@ -14,13 +14,13 @@ tensor's object, storage pointer, ``_version`` and, where values matter, a copy:
 ``.data`` reassigned, written in place, reshaped) is kept: a CPU copy goes into an :class:`Overlay` put in
 front of the hook's ``weights_map``, which the hook serves from then on. The user's offload folder and
 checkpoint are never written. A change that cannot be kept (a quantized tensor class, a write into a
-stand-in that never held the real value) raises :class:`~metapatch._records.MetapatchError` naming the
+stand-in that never held the real value) raises :class:`~metapatch._framework.records.MetapatchError` naming the
 tensor. :meth:`Operation.adopt_materialised` keeps tensors an operation loaded into an offloaded module's
 placeholders without onloading it (transformers' loader materialises them on ``cpu``), and
 :meth:`Operation.watch_loads` onloads an offloaded module just before ``load_state_dict`` copies into it
 (a copy into a ``meta`` placeholder is a no-op).
 
-Which hook offloads a module is read by :mod:`metapatch._hook_state`, for everyone. Nothing here
+Which hook offloads a module is read by :mod:`metapatch._offload.hook_state`, for everyone. Nothing here
 imports accelerate before a hook exists: a process that never imported ``accelerate.hooks`` has none.
 """
 
@@ -31,14 +31,14 @@ import contextvars
 from collections.abc import Mapping
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from metapatch._records import MetapatchError
+from metapatch._framework.records import MetapatchError
 
 
 def offload_hook(module: Any) -> Optional[Any]:
-    """The accelerate ``AlignDevicesHook`` that offloads ``module``'s own tensors: :func:`metapatch._hook_state.offload_hook`."""
+    """The accelerate ``AlignDevicesHook`` that offloads ``module``'s own tensors: :func:`metapatch._offload.hook_state.offload_hook`."""
     if getattr(module, "__dict__", {}).get("_hf_hook") is None:
         return None  # (asked of every module of the model, several times per adapter load)
-    from metapatch._hook_state import offload_hook as read
+    from metapatch._offload.hook_state import offload_hook as read
 
     return read(module)
 
@@ -88,7 +88,7 @@ def mark_tied(model: Any) -> None:
     model, the tied copies are separate tensors served by separate hooks (``tied_params_names`` stays
     empty for a tie transformers made before dispatch), and keeping one copy's write would leave the
     other with the old value."""
-    from metapatch._tied_groups import tied_groups
+    from metapatch._offload.tied_groups import tied_groups
 
     members: Dict[str, set] = {}
     for group in tied_groups(model):
@@ -164,12 +164,12 @@ class Operation:
     def onload(self, module: Any, hook: Optional[Any] = None, values: bool = True) -> bool:
         """``module``'s real tensors on its hook's execution device until the operation ends; False
         when it is not offloaded or already onloaded (by this operation or an enclosing hold)."""
-        from metapatch import _adapter_offload
+        from metapatch._offload import adapter_offload
 
         hook = hook if hook is not None else offload_hook(module)
-        if hook is None or _adapter_offload._held(hook) or self.holds(module):
+        if hook is None or adapter_offload._held(hook) or self.holds(module):
             return False
-        _adapter_offload._hold(module, hook)
+        adapter_offload._hold(module, hook)
         snapshot = {}
         for name, tensor in hook_tensors(module, hook):
             copy = tensor.detach().clone() if values and _plain(tensor) else None
@@ -180,7 +180,7 @@ class Operation:
     def finish(self, kept: bool = True) -> None:
         """Keep what changed in every onloaded module (``kept``: False after upstream raised: the
         module goes back as it was) and offload it again."""
-        from metapatch import _adapter_offload
+        from metapatch._offload import adapter_offload
 
         held, self.held = self.held, []
         refused, tied = [], []
@@ -200,7 +200,7 @@ class Operation:
                         tied.append((module, name))
                         continue
                     keep(hook, name, tensor)
-            _adapter_offload._release(module, hook)
+            adapter_offload._release(module, hook)
         if tied:
             module, name = tied[0]
             raise MetapatchError(
@@ -221,13 +221,13 @@ class Operation:
         (a loader that materialises them): kept for the hook to serve, placeholders back on meta."""
         from accelerate.utils import set_module_tensor_to_device
 
-        from metapatch import _adapter_offload
-        from metapatch._module_walk import modules
+        from metapatch._offload import adapter_offload
+        from metapatch._offload.module_walk import modules
 
         adopted = 0
         for module in modules(model):
             hook = offload_hook(module)
-            if hook is None or self.holds(module) or _adapter_offload._held(hook):
+            if hook is None or self.holds(module) or adapter_offload._held(hook):
                 continue
             if not hook.place_submodules and not hook.offload_buffers \
                     and all(t is None or t.is_meta for t in module._parameters.values()):

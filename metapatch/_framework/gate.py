@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Dict, NamedTuple, Optional, Tuple
 
-from ._records import Patch, State
+from .records import Patch, State
 
 _TRUE = {"1", "true", "yes", "on"}
 
@@ -54,7 +54,7 @@ class Gating:
 
     def support_window(self) -> Dict[str, str]:
         if self._window is None:
-            from . import tested_versions
+            from .. import tested_versions
 
             self._window = dict(getattr(tested_versions, "SUPPORT_WINDOW", {}))
         return self._window

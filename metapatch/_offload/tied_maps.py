@@ -1,5 +1,5 @@
 """Checking a device map against tied groups and budgets, and running upstream's allocator on the
-tie-free problem (part of metapatch._tied_groups, which re-exports everything here).
+tie-free problem (part of metapatch._offload.tied_groups, which re-exports everything here).
 
 Import-cheap: nothing from torch or the Hugging Face stack at module level.
 """
@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections import OrderedDict, defaultdict
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
-from ._tied_members import Group, tied_groups
-from ._tied_placement import entry_of
+from .tied_members import Group, tied_groups
+from .tied_placement import entry_of
 
 
 # ---------------------------------------------------------------------------------------------

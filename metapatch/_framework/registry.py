@@ -1,12 +1,12 @@
 """Lifecycle and (un)installation of patch records; knows nothing about any particular patch.
 
-The registry registers a post-import hook per target module (:mod:`metapatch._import_hooks`), so a
+The registry registers a post-import hook per target module (:mod:`metapatch._framework.import_hooks`), so a
 patch applies whether metapatch is imported before or after its target; gates it on installed
-versions (:mod:`metapatch._gate`, lazily); refuses code whose source no longer matches the patch's
-fingerprints (``stale``) or that another library replaced (``conflict``) (:mod:`metapatch._planning`);
+versions (:mod:`metapatch._framework.gate`, lazily); refuses code whose source no longer matches the patch's
+fingerprints (``stale``) or that another library replaced (``conflict``) (:mod:`metapatch._framework.planning`);
 never lets a patch's exception escape into the user's import (``failed``) unless
 ``METAPATCH_STRICT=1`` asks for it; and marks every object it installs, so that a second registry
-adopts what is there instead of wrapping twice and ``unpatch`` finds every site (:mod:`metapatch._sites`).
+adopts what is there instead of wrapping twice and ``unpatch`` finds every site (:mod:`metapatch._framework.sites`).
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ import threading
 from collections.abc import Mapping
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-from ._gate import Gate, Gating, disabled_ids, strict_mode  # noqa: F401 - re-exported
-from ._patch_loading import LazyPatches, _patch_module_names, lazy_patches, load_patches  # noqa: F401 - re-exported
-from ._records import MetapatchError, Patch, State, Target
-from ._planning import plan, stack_order, stacked_at
-from ._sites import PatchStatus, Planned, Retry, Site, namespace
-from ._targets import (MARKER, _code_owner, _initializing, _package, _raw, _source_object,  # noqa: F401
+from .gate import Gate, Gating, disabled_ids, strict_mode  # noqa: F401 - re-exported
+from .patch_loading import LazyPatches, _patch_module_names, lazy_patches, load_patches  # noqa: F401 - re-exported
+from .records import MetapatchError, Patch, State, Target
+from .planning import plan, stack_order, stacked_at
+from .sites import PatchStatus, Planned, Retry, Site, namespace
+from .targets import (MARKER, _code_owner, _initializing, _package, _raw, _source_object,  # noqa: F401
                        fingerprint, replaced_by, resolve)
 
 # ast, inspect, hashlib, logging and importlib.metadata are imported where used: `import metapatch`
@@ -145,7 +145,7 @@ class Registry:
                 ids[patch_id] = None
                 return
             self._ids_by_module[module_name] = {patch_id: None}
-        from ._import_hooks import finder
+        from .import_hooks import finder
 
         finder().watch(module_name, self._on_import)
 
@@ -194,7 +194,7 @@ class Registry:
         self._apply(patch, module, late=True)
         said = f"{module.__name__} was imported through a finder ahead of metapatch's"
         if any(status.sites.get(d) is not None for d in mine) and not any(n.startswith(said) for n in status.notes):
-            from ._import_hooks import finder
+            from .import_hooks import finder
 
             loader = getattr(getattr(module, "__spec__", None), "loader", None)
             ahead = ", ".join(getattr(finder(), "moved_ahead_of", ())) or "none found"
@@ -361,7 +361,7 @@ class Registry:
         return None
 
     def _warn_once(self, key: Any, message: str, skip: Iterable[str] = ()) -> None:
-        from ._warn import warn_once
+        from .warn import warn_once
 
         warn_once((id(self), key), message, skip=skip)
 
@@ -401,6 +401,6 @@ class Registry:
     # -- status --------------------------------------------------------------------------------
 
     def status(self) -> List[Dict[str, Any]]:
-        from ._status_rows import status_rows
+        from .status_rows import status_rows
 
         return status_rows(self)

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
-from ._gate import Gate
-from ._records import State, Target
-from ._targets import MARKER, _code_owner, _package, _raw, _source_object
+from .gate import Gate
+from .records import State, Target
+from .targets import MARKER, _code_owner, _package, _raw, _source_object
 
 
 class Site:

@@ -11,7 +11,7 @@ for ``self.<child>...<tensor>`` chains and ``self.<child>...<method>(...)`` call
 read the same way, relative to the module it is called on (a few levels deep). Each chain is resolved on
 the live module tree: a chain ending on a parameter or buffer of another module is a read outside that
 module's hook. The reader gets a torch forward pre-hook and an always-called forward hook that keep
-those modules materialised (metapatch._offloaded_weights.materialised: the accelerate hook's own
+those modules materialised (metapatch._offload.offloaded_weights.materialised: the accelerate hook's own
 ``pre_forward`` / ``post_forward``) for the duration of the reader's forward, so the reads see the
 real tensors on the execution device and memory is held only while the reader runs. Modules that read
 nothing outside get no hook: no per-op cost. A read whose tensor is on meta with no accelerate hook to
@@ -35,9 +35,9 @@ import sys
 import textwrap
 from typing import Any, Dict, List, Optional, Tuple
 
-from metapatch._hook_state import holds
-from metapatch._offloaded_weights import materialised, offload_hooks
-from metapatch._records import MetapatchError
+from metapatch._offload.hook_state import holds
+from metapatch._offload.offloaded_weights import materialised, offload_hooks
+from metapatch._framework.records import MetapatchError
 
 _DEPTH = 3
 _ATTR = "_metapatch_outside_reads"
@@ -208,7 +208,7 @@ def hook_split_tensors(model: Any, execution_device: Any, offload: Any, weights_
     from accelerate.hooks import AlignDevicesHook, add_hook_to_module
     from accelerate.utils import PrefixedDataset, named_module_tensors
 
-    from metapatch._offload_store import Overlay
+    from metapatch._offload.store import Overlay
 
     by_parent: Dict[str, set] = {}  # offloaded map keys by the module path they sit under
     for key, offloaded in offload.items():
