@@ -237,9 +237,9 @@ def test_result_cache_key_covers_the_shared_helpers_a_patch_imports():
     package = Path(runner.__file__).resolve().parents[1]
     tied = runner._shared_helpers([package / "patches" / "tied_device_map_transformers.py"])
     peft = runner._shared_helpers(sorted((package / "patches" / "peft_offload_redispatch").glob("*.py")))
-    assert package / "_tied_groups.py" in tied
-    assert package / "_adapter_offload.py" in peft
-    assert package / "_offloaded_weights.py" not in tied
+    assert package / "_offload" / "tied_groups.py" in tied
+    assert package / "_offload" / "adapter_offload.py" in peft
+    assert package / "_offload" / "offloaded_weights.py" not in tied
 
 
 def test_companions_are_pinned_inside_the_patchs_affected_range(monkeypatch):

@@ -9,10 +9,10 @@ Results are cached per (patch, combination, patch source), so a rerun only runs 
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -150,30 +150,55 @@ def patch_source_hash(patch_id: str) -> str:
     return digest.hexdigest()[:12]
 
 
-_HELPER_IMPORT = re.compile(r"^\s*(?:from\s+(?:metapatch|\.\.)\s+import\s+(_\w+)|from\s+(?:metapatch\.|\.\.)(_\w+)\s+import)",
-                            re.M)
+# The layers below the patches: a module there that a patch imports (directly or through another one).
+_SHARED_FOLDERS = ("_framework", "_offload")
 
 
-# Inside a shared helper (metapatch/_x.py) a sibling is ``from . import _y`` / ``from ._y import``.
-_SIBLING_IMPORT = re.compile(r"^\s*(?:from\s+(?:metapatch|\.)\s+import\s+(_\w+)|from\s+(?:metapatch\.|\.)(_\w+)\s+import)",
-                             re.M)
+def _imported_files(path: Path, package: Path) -> List[Path]:
+    """The files of the ``metapatch`` modules that ``path`` imports (``from`` imports, in functions too),
+    a name imported from a package counted where it is a module."""
+    try:
+        tree = ast.parse(path.read_text())
+    except (OSError, SyntaxError):
+        return []
+    here = path.relative_to(package.parent).with_suffix("").parts[:-1]  # the file's package
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        base = list(here[: len(here) - node.level + 1]) if node.level else []
+        module = base + (node.module.split(".") if node.module else [])
+        if not module or module[0] != "metapatch":
+            continue
+        for name in [None] + [alias.name for alias in node.names]:
+            parts = module + ([name] if name else [])
+            for candidate in (package.parent.joinpath(*parts).with_suffix(".py"),
+                              package.parent.joinpath(*parts, "__init__.py")):
+                if candidate.is_file():
+                    found.append(candidate)
+    return found
+
+
+def _is_shared(path: Path, package: Path) -> bool:
+    parts = path.relative_to(package).parts
+    if parts[-1] == "__init__.py":
+        return False  # the layers' package files hold no code
+    return parts[0] in _SHARED_FOLDERS or (parts[0] == "patches" and len(parts) == 2 and parts[1].startswith("_"))
 
 
 def _shared_helpers(patch_files: List[Path]) -> List[Path]:
-    """The shared modules (metapatch/_tied_groups.py, _adapter_offload.py, ...) a patch imports, and the
-    shared modules those import (``_tied_groups`` re-exports ``_tied_placement``...): a change there
+    """The shared modules (metapatch/_offload/tied_groups.py, adapter_offload.py, the framework's records,
+    patches/_shared_targets.py ...) a patch imports, and the shared modules those import: a change there
     changes the patch's behaviour as much as a change in the patch itself."""
     package = REPO / "metapatch"
-    names: set = set()
-    pending = [(path, _HELPER_IMPORT) for path in patch_files]
+    found: set = set()
+    pending = [path for path in patch_files if path.is_file()]
     while pending:
-        path, pattern = pending.pop()
-        for match in pattern.finditer(path.read_text() if path.is_file() else ""):
-            name = match.group(1) or match.group(2)
-            if name not in names and (package / f"{name}.py").is_file():
-                names.add(name)
-                pending.append((package / f"{name}.py", _SIBLING_IMPORT))
-    return [package / f"{name}.py" for name in sorted(names)]
+        for imported in _imported_files(pending.pop(), package):
+            if imported not in found and _is_shared(imported, package):
+                found.add(imported)
+                pending.append(imported)
+    return sorted(found)
 
 
 def run_combination(patch_id: str, pins: Mapping[str, str], timeout: float, log=None) -> Dict[str, Any]:
