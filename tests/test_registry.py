@@ -8,6 +8,7 @@ order is real. The script prints one JSON object as its last line.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -593,15 +594,16 @@ def test_unpatching_the_inner_patch_of_a_stack_leaves_no_wrapper_inside_the_oute
 
 
 def test_shipped_records_derive_their_diffs():
-    # Patch.diffs is what upstream_diffs/<id>/ holds, derived only: a record that listed them would
+    # A patch's diffs are what upstream_diffs/<id>/ holds, derived only: a record that listed them would
     # be a second source that drifts (diffs= is for a test's fake patch, whose diffs live elsewhere).
+    from metapatch._framework import layout
     from metapatch._framework.diff_files import diff_paths_of
     from metapatch._framework.registry import load_patches
 
     records = load_patches()
-    assert [p.id for p in records if p._diffs is not None] == []
-    assert all(p.diffs == diff_paths_of(p.id) for p in records)
-    assert any(p.diffs for p in records)  # the derived ones are really found
+    assert [p.id for p in records if p.declared_diffs is not None] == []
+    assert all(layout.diffs(p) == diff_paths_of(p.id) for p in records)
+    assert any(layout.diffs(p) for p in records)  # the derived ones are really found
 
 
 def test_patches_sharing_a_target_declare_their_order():
@@ -664,8 +666,10 @@ def _ranges_overlap(patches) -> bool:
 
 
 def test_patch_selftest_is_the_module_of_its_own_scenarios():
-    # Patch.selftest follows Scenario.patch_id; a record names a module only when the patch has no
-    # scenario of its own (another patch's scenarios exercise it), and then it must hold scenarios.
+    # A patch's selftest module is where its own scenarios are (Scenario.patch_id); a record names a module
+    # only when the patch has no scenario of its own (another patch's scenarios exercise it), and then it
+    # must hold scenarios.
+    from metapatch._framework import layout
     from metapatch._framework.registry import load_patches
     from metapatch.selftest import all_scenarios
 
@@ -675,8 +679,9 @@ def test_patch_selftest_is_the_module_of_its_own_scenarios():
         own.setdefault(scenario.patch_id, []).append(scenario.function.partition(":")[0])
     for patch in load_patches():
         if patch.id in own:
-            assert patch._selftest is None, f"{patch.id} declares selftest=: it is derived from its scenarios"
-            assert patch.selftest in own[patch.id], (patch.id, patch.selftest, own[patch.id])
+            assert patch.declared_selftest is None, f"{patch.id} declares selftest=: it is derived from its scenarios"
+            declared = importlib.import_module(layout.scenarios(patch)).SCENARIOS  # selftest/<id>.py declares them
+            assert [s for s in declared if s.patch_id == patch.id], (patch.id, layout.scenarios(patch))
         else:
-            assert patch._selftest is not None, f"{patch.id} has no scenario: name the module that exercises it"
-            assert any(s.function.startswith(patch.selftest + ":") for s in scenarios), patch.id
+            assert patch.declared_selftest is not None, f"{patch.id} has no scenario: name the module that exercises it"
+            assert any(s.function.startswith(layout.scenarios(patch) + ":") for s in scenarios), patch.id

@@ -131,18 +131,19 @@ class Patch:
     target (each for its own bug): the registry applies those first, keeps that order whichever is
     imported or installed first, and takes this one off and puts it back when one of them is unpatched.
 
-    ``diffs`` are found in ``upstream_diffs/<id>/`` (:func:`metapatch._framework.diff_files.diff_paths_of`); only a
+    ``diffs`` are found in ``upstream_diffs/<id>/`` (:func:`metapatch._framework.layout.diffs`); only a
     test's fake patch, whose diffs live elsewhere, lists them (shipped records never do: a test checks).
 
-    ``selftest`` is the selftest module of the patch's own scenarios (``Scenario.patch_id``); a record
-    names one only when it has no scenario of its own and is exercised by another patch's.
+    ``selftest`` is the selftest module of the patch's own scenarios, ``selftest/<id>.py``
+    (:func:`metapatch._framework.layout.scenarios`); a record names one only when it has no scenario of
+    its own and is exercised by another patch's.
 
     ``diagnoses`` lists the :func:`metapatch.diagnose` finding codes this patch fixes, so that a
     finding names it (``"tied-split"``, ``"offloaded"``).
     """
 
-    __slots__ = ("id", "title", "affects", "targets", "upstream", "_diffs", "_selftest", "wraps_over",
-                 "diagnoses")
+    __slots__ = ("id", "title", "affects", "targets", "upstream", "declared_diffs", "declared_selftest",
+                 "wraps_over", "diagnoses")
 
     def __init__(self, id: str, title: str, affects: Mapping[str, str], targets: Tuple[Target, ...], *,  # noqa: A002
                  upstream: Optional[Upstream] = None, diffs: Optional[Tuple[str, ...]] = None,
@@ -155,31 +156,13 @@ class Patch:
         self.affects = dict(affects)
         self.targets = tuple(targets)
         self.upstream = upstream or Upstream()
-        self._diffs = None if diffs is None else tuple(diffs)
-        self._selftest = selftest
+        self.declared_diffs = None if diffs is None else tuple(diffs)  # None: derived (layout.diffs)
+        self.declared_selftest = selftest  # None: derived (layout.scenarios)
         self.wraps_over = (wraps_over,) if isinstance(wraps_over, str) else tuple(wraps_over)
         self.diagnoses = (diagnoses,) if isinstance(diagnoses, str) else tuple(diagnoses)
 
     def __repr__(self) -> str:
         return f"Patch({self.id!r})"
-
-    @property
-    def diffs(self) -> Tuple[str, ...]:
-        """``upstream_diffs/<id>/<package>[-<N>-<slug>].diff`` paths, in series order."""
-        if self._diffs is not None:
-            return self._diffs
-        from .diff_files import diff_paths_of  # (only when asked: status, the diff commands)
-
-        return diff_paths_of(self.id)
-
-    @property
-    def selftest(self) -> Optional[str]:
-        """The module holding the patch's reproducers (imports the selftest modules when not declared)."""
-        if self._selftest is not None:
-            return self._selftest
-        from ..selftest import all_scenarios  # cheap by convention: scenarios import torch when they run
-
-        return next((s.function.partition(":")[0] for s in all_scenarios() if s.patch_id == self.id), None)
 
     @property
     def modules(self) -> Tuple[str, ...]:

@@ -17,12 +17,11 @@ from collections.abc import Mapping
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from .gate import Gate, Gating, disabled_ids, strict_mode  # noqa: F401 - re-exported
-from .patch_loading import LazyPatches, _patch_module_names, lazy_patches, load_patches  # noqa: F401 - re-exported
+from .patch_loading import LazyPatches, lazy_patches, load_patches  # noqa: F401 - re-exported
 from .records import MetapatchError, Patch, State, Target
 from .planning import plan, stack_order, stacked_at
 from .sites import PatchStatus, Planned, Retry, Site, namespace
-from .targets import (MARKER, _code_owner, _initializing, _package, _raw, _source_object,  # noqa: F401
-                       fingerprint, replaced_by, resolve)
+from .targets import MARKER, fingerprint, initializing, raw_attribute, replaced_by, resolve  # noqa: F401 - re-exported
 
 # ast, inspect, hashlib, logging and importlib.metadata are imported where used: `import metapatch`
 # runs at the top of user scripts and must cost next to nothing.
@@ -116,7 +115,7 @@ class Registry:
     @staticmethod
     def _imported(module_name: str) -> Any:
         module = sys.modules.get(module_name)
-        return None if module is None or _initializing(module) else module
+        return None if module is None or initializing(module) else module
 
     def _select(self, ids: Optional[Iterable[str]]) -> List[Patch]:
         return [self.patches[i] for i in self._select_ids(ids)]
@@ -151,7 +150,7 @@ class Registry:
 
     def _on_import(self, module: Any, late: bool = False) -> None:
         # Runs inside the user's import statement: nothing may escape except, on purpose, the
-        # strict-mode error. late: the module was loaded by a finder ahead of ours (see _sweep_missed).
+        # strict-mode error. late: the module was loaded by a finder ahead of ours (see sweep_missed).
         with self._lock:
             ids = list(self._ids_by_module.get(getattr(module, "__name__", ""), ()))
         try:
@@ -169,7 +168,7 @@ class Registry:
             except Exception as exc:  # pragma: no cover - _apply already guards; belt and braces
                 _logger().exception("metapatch: unexpected error while applying %s: %s", patch_id, exc)
 
-    def _sweep_missed(self, when: str) -> None:
+    def sweep_missed(self, when: str) -> None:
         """Apply, late, the patches of target modules that are imported (and finished) but whose import hook
         never ran: a finder inserted ahead of ours on ``sys.meta_path`` after ``import metapatch``
         (typeguard's and jaxtyping's import hooks) answered them itself before ours got back in front.
@@ -259,7 +258,7 @@ class Registry:
             self._restore(status)
             return self._set_problem(patch, status, trouble[0], trouble[1], messages)
         for step in plan:
-            now = _raw(step.parent, step.attr)
+            now = raw_attribute(step.parent, step.attr)
             if now is not (step.installed if step.adopt else step.original):
                 marker = getattr(now, MARKER, None)
                 if marker is not None and marker[0] == patch.id:
@@ -401,6 +400,35 @@ class Registry:
     # -- status --------------------------------------------------------------------------------
 
     def status(self) -> List[Dict[str, Any]]:
-        from .status_rows import status_rows
+        """One row per patch (:mod:`metapatch._framework.status_rows`), after applying what a finder ahead
+        of ours kept from our hooks; the version gate decided (unlocked) for patches never imported."""
+        from .status_rows import row
 
-        return status_rows(self)
+        try:
+            self.sweep_missed("metapatch.status()")
+        except MetapatchError:
+            pass  # strict mode: the problem state and reason are in the rows
+        return [row(patch, *self.reported(patch)) for patch in self.patches.values()]
+
+    def reported(self, patch: Patch) -> Tuple[State, str, Dict[str, Optional[str]], List[str]]:
+        """(state, reason, installed versions, notes) of ``patch`` as ``status()`` reports it."""
+        from .status_rows import reported_state
+
+        with self._lock:
+            known = self._status.get(patch.id)
+            need_gate = known is None or known.gate is None
+        gate = self.gate(patch) if need_gate else None  # unlocked: reads metadata, may import
+        with self._lock:
+            status = self._status.get(patch.id) or PatchStatus(State.PENDING_IMPORT, "metapatch.install() not run")
+            if status.state is State.PENDING_IMPORT and patch.id in self._status:
+                status.gate = status.gate or gate
+                if not status.gate.affected:
+                    status.state, status.reason = status.gate.state, status.gate.why
+                elif not status.reason:
+                    status.reason = f"{status.gate.why}; waiting for import of {', '.join(patch.modules)}"
+            return reported_state(patch, status, gate)
+
+    def recorded(self) -> Dict[str, PatchStatus]:
+        """What the registry holds per patch id it has seen (the live records, for tools that look at sites)."""
+        with self._lock:
+            return dict(self._status)

@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional
 
 from .gate import Gate
 from .records import State, Target
-from .targets import MARKER, _code_owner, _package, _raw, _source_object
+from .targets import MARKER, code_owner, package_of, raw_attribute, source_object
 
 
 class Site:
@@ -20,7 +20,7 @@ class Site:
         self.parent, self.attr, self.original, self.installed = parent, attr, original, installed
 
     def current(self) -> Any:
-        return _raw(self.parent, self.attr)
+        return raw_attribute(self.parent, self.attr)
 
     def holds_installed(self) -> bool:
         return self.current() is self.installed
@@ -77,17 +77,17 @@ def replaced_after(status: PatchStatus) -> Optional[str]:
         if site.holds_installed():
             continue
         now = site.current()
-        owner = _code_owner(_source_object(now))
-        if owner is not None and _package(owner) != _package(dotted.partition(":")[0]):
+        owner = code_owner(source_object(now))
+        if owner is not None and package_of(owner) != package_of(dotted.partition(":")[0]):
             return (f"{dotted} was replaced by {owner} after metapatch patched it, so calls no longer reach "
-                    f"metapatch's fix. Check whether {_package(owner)} fixes this bug too, or disable its "
+                    f"metapatch's fix. Check whether {package_of(owner)} fixes this bug too, or disable its "
                     f"patch of this function")
     return None
 
 
 def conflict_reason(target: Target, owner: str) -> str:
     return (f"{target.dotted} was already replaced by {owner} (another library patches it); nothing "
-            f"patched rather than wrap another library's patch. Check whether {_package(owner)} fixes "
+            f"patched rather than wrap another library's patch. Check whether {package_of(owner)} fixes "
             f"this bug too, or disable its patch of this function")
 
 

@@ -17,7 +17,7 @@ MARKER = "_self_metapatch"
 # Source fingerprints
 
 
-def _source_object(obj: Any) -> Any:
+def source_object(obj: Any) -> Any:
     """The plain function behind descriptors and wrappers, whose source we can read."""
     for _ in range(10):
         if isinstance(obj, (staticmethod, classmethod)):
@@ -38,7 +38,7 @@ def fingerprint(obj: Any) -> str:
 
     from .fingerprints import fingerprint_source  # shared with the static reader (metapatch survey)
 
-    return fingerprint_source(inspect.getsource(_source_object(obj)))
+    return fingerprint_source(inspect.getsource(source_object(obj)))
 
 
 def resolve(module: Any, qualname: str) -> Tuple[Any, str, Any]:
@@ -63,11 +63,11 @@ def resolve(module: Any, qualname: str) -> Tuple[Any, str, Any]:
 _DECORATOR_PACKAGES = frozenset({"functools", "contextlib", "typing", "typing_extensions", "torch", "abc"})
 
 
-def _package(module_name: Optional[str]) -> str:
+def package_of(module_name: Optional[str]) -> str:
     return (module_name or "").partition(".")[0]
 
 
-def _code_owner(obj: Any) -> Optional[str]:
+def code_owner(obj: Any) -> Optional[str]:
     """The module whose code defines ``obj`` (a function's globals, else its ``__module__``)."""
     globals_ = getattr(obj, "__globals__", None)
     if isinstance(globals_, dict) and isinstance(globals_.get("__name__"), str):
@@ -86,32 +86,32 @@ def replaced_by(module: Any, target: Target, raw: Any = None) -> Optional[str]:
     parent = module
     for name in target.qualname.split(".")[:-1]:
         parent = getattr(parent, name, None)
-        if isinstance(parent, type) and _package(parent.__module__) != _package(target.module):
+        if isinstance(parent, type) and package_of(parent.__module__) != package_of(target.module):
             return parent.__module__
     if raw is None:
         return None
-    obj = _source_object(raw) if getattr(raw, MARKER, None) is None else raw
+    obj = source_object(raw) if getattr(raw, MARKER, None) is None else raw
     if getattr(obj, MARKER, None) is not None:
         return None  # metapatch's own (an earlier registry); adopted elsewhere
     wrapper = getattr(obj, "_self_wrapper", None)  # a wrapt FunctionWrapper (its type's __module__ is "builtins")
     if wrapper is not None and hasattr(obj, "__wrapped__"):
-        owner = _code_owner(wrapper)
-        return owner if owner and _package(owner) != _package(target.module) else None
+        owner = code_owner(wrapper)
+        return owner if owner and package_of(owner) != package_of(target.module) else None
     chain = [obj]
     while hasattr(chain[-1], "__wrapped__") and len(chain) < 10:
         chain.append(chain[-1].__wrapped__)
-    owners = [_code_owner(level) for level in chain]
+    owners = [code_owner(level) for level in chain]
     outer = owners[0]
-    if outer is None or _package(outer) == _package(target.module):
+    if outer is None or package_of(outer) == package_of(target.module):
         return None
-    if _package(outer) in _DECORATOR_PACKAGES and any(_package(o) == _package(target.module) for o in owners[1:]):
+    if package_of(outer) in _DECORATOR_PACKAGES and any(package_of(o) == package_of(target.module) for o in owners[1:]):
         return None  # upstream's own function under a torch/functools decorator
     return outer
 
 
-def _initializing(module: Any) -> bool:
+def initializing(module: Any) -> bool:
     return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
 
 
-def _raw(parent: Any, attr: str) -> Any:
+def raw_attribute(parent: Any, attr: str) -> Any:
     return vars(parent).get(attr) if isinstance(parent, type) else getattr(parent, attr, None)

@@ -61,9 +61,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.import_targets:
         _import_targets(registry)
+    from metapatch._framework import layout
     from metapatch.diffs import diffs_root
 
-    listed = [rel for patch in registry.patches.values() for rel in patch.diffs]
+    listed = [rel for patch in registry.patches.values() for rel in layout.diffs(patch)]
     if listed and not diffs_root().is_dir():
         print(f"metapatch diffs: the upstream diffs are not installed with this copy of metapatch ({diffs_root()} "
               f"does not exist); they ship in the source tree: point METAPATCH_DIFFS_ROOT at its upstream_diffs/")
@@ -105,6 +106,7 @@ def check_all(registry: Any, patch_ids: Optional[List[str]] = None) -> List[Dict
     """One row per diff: the diffs each patch lists, plus any diff in the diffs folder that no
     patch lists (an orphan). Each row carries the verdict, the patch's state and whether they agree."""
     from metapatch import diffs as diffs_mod
+    from metapatch._framework import layout
 
     states = {row["id"]: row for row in registry.status()}
     chosen = [registry.patches[i] for i in patch_ids] if patch_ids else list(registry.patches.values())
@@ -112,7 +114,7 @@ def check_all(registry: Any, patch_ids: Optional[List[str]] = None) -> List[Dict
     listed = set()
     for patch in chosen:
         parsed, relative_of = [], {}
-        for relative in patch.diffs:
+        for relative in layout.diffs(patch):
             path = diffs_mod.resolve_diff_path(relative)
             listed.add(path.resolve())
             if not path.is_file():
@@ -140,7 +142,7 @@ def check_all(registry: Any, patch_ids: Optional[List[str]] = None) -> List[Dict
             continue
         relative = f"upstream_diffs/{path.parent.name}/{path.name}"
         why = (f"no patch has the id {path.parent.name!r}" if patch is None
-               else f"patch {patch.id} does not list it in Patch.diffs")
+               else f"patch {patch.id} does not list it")
         rows.append(_problem_row(path.parent.name, relative, states.get(path.parent.name, {}).get("state"),
                                  "orphan", f"{relative}: {why}"))
     return rows

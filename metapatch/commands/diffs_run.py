@@ -18,14 +18,16 @@ from typing import Any, Dict, List
 def run_all(registry: Any, text_rows: List[Dict[str, Any]], patch_ids: List[str], timeout: float,
             progress: Any = None) -> List[Dict[str, Any]]:
     """One result per chosen patch that lists diffs (in registry order)."""
-    chosen = patch_ids or [p.id for p in registry.patches.values() if p.diffs]
+    from metapatch._framework import layout
+
+    chosen = patch_ids or [p.id for p in registry.patches.values() if layout.diffs(p)]
     verdicts: Dict[str, List[str]] = {}
     for row in text_rows:
         verdicts.setdefault(row["patch_id"], []).append(row["verdict"])
     results = []
     for patch_id in chosen:
         patch = registry.patches[patch_id]
-        if not patch.diffs:
+        if not layout.diffs(patch):
             continue
         blocking = sorted({v for v in verdicts.get(patch_id, []) if v != "applies"})
         if blocking:

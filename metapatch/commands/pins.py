@@ -41,12 +41,13 @@ def _canonical(name: str) -> str:
 def patches_by_distribution(registry: Any) -> Dict[str, List[str]]:
     """Distribution -> ids of the patches that belong to it: it is a key of ``affects`` or the
     package of one of the patch's diffs."""
+    from metapatch._framework import layout
     from metapatch.diffs import distribution_of, name_parts
 
     owners: Dict[str, List[str]] = {}
     for patch in registry.patches.values():
         names = {_canonical(d) for d in patch.affects}
-        names |= {_canonical(distribution_of(name_parts(rel)[0])) for rel in patch.diffs}
+        names |= {_canonical(distribution_of(name_parts(rel)[0])) for rel in layout.diffs(patch)}
         for name in sorted(names):
             owners.setdefault(name, []).append(patch.id)
     return owners

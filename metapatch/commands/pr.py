@@ -219,8 +219,9 @@ def _mismatch(repo: Path, base: str, diff: Any, distribution: str, created: froz
 def choose_series(patch: Any, repo: Path, base: str, package: Optional[str]) -> List[Any]:
     """The patch's diffs for this clone's package, in series order (one diff, or diffs 1..N)."""
     from metapatch import diffs as diffs_mod
+    from metapatch._framework import layout
 
-    paths = [diffs_mod.resolve_diff_path(rel) for rel in patch.diffs]
+    paths = [diffs_mod.resolve_diff_path(rel) for rel in layout.diffs(patch)]
     if not paths:
         raise Refused(f"patch {patch.id} has no upstream diff")
     absent = [str(p) for p in paths if not p.is_file()]
@@ -231,7 +232,7 @@ def choose_series(patch: Any, repo: Path, base: str, package: Optional[str]) -> 
         candidates = [series for series in candidates if series[0].package == package]
         if not candidates:
             raise Refused(f"patch {patch.id} has no diff for {package!r} (it has: "
-                          f"{', '.join(Path(p).name for p in patch.diffs)})")
+                          f"{', '.join(Path(p).name for p in layout.diffs(patch))})")
     reasons = []
     for series in candidates:
         distribution = _distribution_for(patch, series[0].package)

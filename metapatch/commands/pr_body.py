@@ -22,7 +22,9 @@ def reproducer_source(patch: Any) -> str:
 
 def _reproducer(patch: Any) -> "tuple[str, List[dict]]":
     """(source of the main scenario, every scenario of the patch as a dict)."""
-    if not patch.selftest:
+    from metapatch._framework import layout
+
+    if not layout.scenarios(patch):
         return "", []
     scenarios = _declared_scenarios(patch)
     if not scenarios:
@@ -39,12 +41,14 @@ def _reproducer(patch: Any) -> "tuple[str, List[dict]]":
 
 
 def _declared_scenarios(patch: Any) -> List[dict]:
-    """The patch's scenarios from ``SCENARIOS`` in the module ``Patch.selftest`` names. Importing a
-    selftest module is cheap by convention (torch is imported inside the scenario functions)."""
+    """The patch's scenarios from ``SCENARIOS`` in its selftest module (:func:`metapatch._framework.layout.scenarios`).
+    Importing a selftest module is cheap by convention (torch is imported inside the scenario functions)."""
     import importlib
 
+    from metapatch._framework import layout
+
     try:
-        module = importlib.import_module(patch.selftest)
+        module = importlib.import_module(layout.scenarios(patch))
     except Exception:  # a broken reproducer module must not stop the PR; the body says so
         return []
     found = []

@@ -71,7 +71,7 @@ def patch_sites(workdir: Path) -> dict:
             importlib.import_module(name)
     modules = [(n, namespace(m)) for n, m in sorted(sys.modules.items()) if m is not None]
     view = {}
-    for patch_id, status in sorted(metapatch.registry._status.items()):
+    for patch_id, status in sorted(metapatch.registry.recorded().items()):
         sites = {}
         for dotted, site in sorted(status.sites.items()):
             sites[dotted] = {

@@ -9,6 +9,7 @@ Modules:
   probe     what runs inside such a venv (``python -m metapatch.survey.probe``)
   table     the per-patch table: build, read, write, print, and check a Patch record against it
 
+A patch's table is ``metapatch/survey/tables/<id>.json`` (:func:`metapatch._framework.layout.survey_table`).
 Everything downloaded or measured is cached under ``$METAPATCH_SURVEY_CACHE`` (default
 ``~/.cache/metapatch/survey``), so an interrupted survey resumes where it stopped.
 """
@@ -18,7 +19,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-TABLES_DIR = Path(__file__).resolve().parent / "tables"
 
 
 def cache_dir() -> Path:
@@ -27,6 +27,3 @@ def cache_dir() -> Path:
     path.mkdir(parents=True, exist_ok=True)
     return path
 
-
-def table_path(patch_id: str) -> Path:
-    return TABLES_DIR / f"{patch_id}.json"

@@ -24,13 +24,14 @@ DOES_NOT_APPLY = "does not apply"
 def scenarios_of(patch: Any) -> List[Any]:
     """The patch's own reproducers; for a patch without any (it is exercised by another patch's
     scenarios), the selftest scenarios of the module its record names."""
+    from metapatch._framework import layout
     from metapatch.selftest import all_scenarios
 
     found = all_scenarios()
     own = [s for s in found if s.patch_id == patch.id]
     if own:  # the quick ones where there are any: the slow variants are the test suite's
         return [s for s in own if s.in_selftest] or own
-    module = patch.selftest or ""
+    module = layout.scenarios(patch) or ""
     return [s for s in found if s.function.partition(":")[0] == module and s.in_selftest]
 
 
@@ -49,8 +50,9 @@ def diff_copies(patch: Any, root: Path) -> Optional[List[str]]:
     """Copies of the installed packages with the patch's upstream diffs applied, a series in order
     (upstream with all of the patch's pull requests), one path per package (None: no diff)."""
     from metapatch import diffs
+    from metapatch._framework import layout
 
-    parsed = [diffs.parse(diffs.resolve_diff_path(relative)) for relative in patch.diffs]
+    parsed = [diffs.parse(diffs.resolve_diff_path(relative)) for relative in layout.diffs(patch)]
     return [str(diffs.apply_to_copy(series, root / series[0].package)) for series in diffs.series_of(parsed)] or None
 
 

@@ -126,20 +126,24 @@ def _pip_reason(text: str) -> str:
 def _scenario_files(patch_id: str) -> List[Path]:
     """The selftest modules holding the patch's reproducers (and the module its record names)."""
     import metapatch
+    from metapatch._framework import layout
     from metapatch.selftest import all_scenarios
 
     patch = metapatch.registry.patches.get(patch_id)
     modules = {s.function.partition(":")[0] for s in all_scenarios() if s.patch_id == patch_id}
-    modules |= {patch.selftest} if patch is not None and patch.selftest else set()
+    named = layout.scenarios(patch) if patch is not None else None
+    modules |= {named} if named else set()
     return [REPO / (m.replace(".", "/") + ".py") for m in sorted(modules)]
 
 
 def patch_source_hash(patch_id: str) -> str:
     """A hash of the patch's module(s), its reproducers' modules, the harness and its diffs: a run
     is repeated when any of them changed, and only then."""
+    from metapatch._framework import layout
+
     digest = hashlib.sha256()
     package = REPO / "metapatch"
-    stem = patch_id.replace("-", "_")
+    stem = layout.stem(patch_id)
     files = sorted((package / "patches").glob(f"{stem}.py")) + sorted((package / "patches" / stem).glob("*.py"))
     files += _shared_helpers(files)
     files += _scenario_files(patch_id) + sorted((package / "selftest").glob("_*.py"))

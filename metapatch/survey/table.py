@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from . import table_path
+from metapatch._framework.layout import survey_table as table_path
 
 AFFECTED, NOT_AFFECTED, STATIC, UNDECIDED = "affected", "not-affected", "static only", "undecided"
 
