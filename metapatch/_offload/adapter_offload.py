@@ -45,45 +45,6 @@ def offload_hook(module: Any) -> Optional[Any]:
     return hook_state.offload_hook(module)
 
 
-def _held(hook: Any) -> bool:
-    return getattr(hook, "_metapatch_held", 0) > 0
-
-
-def _hold(base_layer: Any, hook: Any) -> None:
-    """Onload ``base_layer``'s weights and keep them until :func:`_release`: its hook's own
-    pre/post-forward then only move inputs and outputs (``offload`` is off while held). Nested holds
-    are counted."""
-    if not _held(hook):
-        hook.pre_forward(base_layer)
-        hook.offload = False
-    hook._metapatch_held = getattr(hook, "_metapatch_held", 0) + 1
-
-
-def _release(base_layer: Any, hook: Any) -> None:
-    import torch
-
-    hook._metapatch_held -= 1
-    if hook._metapatch_held == 0:
-        if torch.is_grad_enabled():
-            _keep_quant_states_for_backward(base_layer)
-        hook.offload = True
-        hook.post_forward(base_layer, torch.empty(0))
-
-
-def _keep_quant_states_for_backward(base_layer: Any) -> None:
-    """bitsandbytes' 4-bit matmul keeps the weight's ``QuantState`` object for its backward, and
-    offloading the weight moves that very object to meta in place (``Params4bit.to``): the backward
-    then dequantizes garbage (NaN gradients). The parameter about to be offloaded gets its own copy,
-    so the one autograd holds keeps its values."""
-    import copy
-
-    for module in base_layer.modules():
-        weight = getattr(module, "weight", None)
-        state = getattr(weight, "quant_state", None)
-        if state is not None and getattr(weight, "requires_grad", False) is False:
-            weight.quant_state = copy.deepcopy(state)
-
-
 @contextlib.contextmanager
 def base_layer_onloaded(module: Any, what: str = "creating an adapter") -> Iterator[None]:
     """The base layer of ``module`` (a tuner layer or a plain layer) holds its real weights inside
@@ -114,7 +75,7 @@ def base_layer_stood_in(module: Any, what: str = "creating an adapter") -> Itera
 
     base_layer = base_layer_of(module)
     hook = offload_hook(base_layer)
-    if hook is None or _held(hook):
+    if hook is None or offload_store.held(hook):
         yield
         return
     tensors = [tensor for sub in base_layer.modules() for store in (sub._parameters, sub._buffers)
@@ -246,13 +207,13 @@ class HoldBaseLayerHook:
         hook = offload_hook(self.base_layer)
         self._holding.append(hook)
         if hook is not None:
-            _hold(self.base_layer, hook)
+            offload_store.hold(self.base_layer, hook)
         return args, kwargs
 
     def post_forward(self, module: Any, output: Any) -> Any:
         hook = self._holding.pop() if self._holding else None
         if hook is not None:
-            _release(self.base_layer, hook)
+            offload_store.release(self.base_layer, hook)
         return output
 
     def detach_hook(self, module: Any) -> Any:
@@ -276,7 +237,7 @@ def _restore_from_hook(module: Any, device: Any) -> None:
 class KeepQuantStateHook:
     """Put in front of the offload hook of a 4-bit layer: before the weight goes back to meta after
     a forward with autograd on, the quant state autograd holds is left out of the move
-    (:func:`_keep_quant_states_for_backward`); gradients through offloaded 4-bit layers stay real."""
+    (:func:`metapatch._offload.store.keep_quant_states_for_backward`); gradients through offloaded 4-bit layers stay real."""
 
     no_grad = False
 
@@ -290,7 +251,7 @@ class KeepQuantStateHook:
         import torch
 
         if torch.is_grad_enabled():
-            _keep_quant_states_for_backward(module)
+            offload_store.keep_quant_states_for_backward(module)
         return output
 
     def detach_hook(self, module: Any) -> Any:

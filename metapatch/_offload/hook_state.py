@@ -83,13 +83,17 @@ class Located(NamedTuple):
 _OPAQUE = object()  # a store this reader cannot look into
 
 
-def _find(weights_map: Any, key: str) -> Any:
-    from metapatch._offload.store import Overlay  # (imports nothing heavy; lazily: the store imports us)
+def _is_overlay(weights_map: Any) -> bool:
+    """metapatch's :class:`metapatch._offload.store.Overlay` (kept tensors in front of the previous map), known
+    by its two attributes as accelerate's maps are known by theirs: the store builds on this reader."""
+    return hasattr(weights_map, "kept") and hasattr(weights_map, "previous")
 
+
+def _find(weights_map: Any, key: str) -> Any:
     for _ in range(32):
         if weights_map is None:
             return None
-        if isinstance(weights_map, Overlay):  # what an operation wrote, in front of the old map
+        if _is_overlay(weights_map):  # what an operation wrote, in front of the old map
             if key in weights_map.kept:
                 return Located(CPU, weights_map.kept, key, None)
             weights_map = weights_map.previous
@@ -134,7 +138,7 @@ def storage(hook: Any) -> str:
     # No tensor names recorded (a hook built by hand): any index entry under the map's prefix.
     inner, prefix = weights_map, ""
     for _ in range(32):
-        if hasattr(inner, "kept") and hasattr(inner, "previous"):
+        if _is_overlay(inner):
             inner = inner.previous
         elif hasattr(inner, "prefix") and hasattr(inner, "dataset"):
             prefix, inner = prefix + inner.prefix, inner.dataset

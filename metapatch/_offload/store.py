@@ -127,6 +127,48 @@ def _changed(before: Tuple[Any, int, int, Any, Any, Optional[Any]], now: Any) ->
     return now is not tensor or now.data_ptr() != pointer or now._version != version
 
 
+# -- holding an offloaded module's weights in memory (counted: an operation and a tuner layer's forward nest) --
+
+
+def held(hook: Any) -> bool:
+    return getattr(hook, "_metapatch_held", 0) > 0
+
+
+def hold(base_layer: Any, hook: Any) -> None:
+    """Onload ``base_layer``'s weights and keep them until :func:`release`: its hook's own
+    pre/post-forward then only move inputs and outputs (``offload`` is off while held). Nested holds
+    are counted."""
+    if not held(hook):
+        hook.pre_forward(base_layer)
+        hook.offload = False
+    hook._metapatch_held = getattr(hook, "_metapatch_held", 0) + 1
+
+
+def release(base_layer: Any, hook: Any) -> None:
+    import torch
+
+    hook._metapatch_held -= 1
+    if hook._metapatch_held == 0:
+        if torch.is_grad_enabled():
+            keep_quant_states_for_backward(base_layer)
+        hook.offload = True
+        hook.post_forward(base_layer, torch.empty(0))
+
+
+def keep_quant_states_for_backward(base_layer: Any) -> None:
+    """bitsandbytes' 4-bit matmul keeps the weight's ``QuantState`` object for its backward, and
+    offloading the weight moves that very object to meta in place (``Params4bit.to``): the backward
+    then dequantizes garbage (NaN gradients). The parameter about to be offloaded gets its own copy,
+    so the one autograd holds keeps its values."""
+    import copy
+
+    for module in base_layer.modules():
+        weight = getattr(module, "weight", None)
+        state = getattr(weight, "quant_state", None)
+        if state is not None and getattr(weight, "requires_grad", False) is False:
+            weight.quant_state = copy.deepcopy(state)
+
+
 _CURRENT: "contextvars.ContextVar[Optional[Operation]]" = contextvars.ContextVar("metapatch_offload_operation",
                                                                               default=None)
 
@@ -159,17 +201,15 @@ class Operation:
         self.finish(kept=kind is None)
 
     def holds(self, module: Any) -> bool:
-        return any(held is module for held, _, _ in self.held)
+        return any(onloaded is module for onloaded, _, _ in self.held)
 
     def onload(self, module: Any, hook: Optional[Any] = None, values: bool = True) -> bool:
         """``module``'s real tensors on its hook's execution device until the operation ends; False
         when it is not offloaded or already onloaded (by this operation or an enclosing hold)."""
-        from metapatch._offload import adapter_offload
-
         hook = hook if hook is not None else offload_hook(module)
-        if hook is None or adapter_offload._held(hook) or self.holds(module):
+        if hook is None or held(hook) or self.holds(module):
             return False
-        adapter_offload._hold(module, hook)
+        hold(module, hook)
         snapshot = {}
         for name, tensor in hook_tensors(module, hook):
             copy = tensor.detach().clone() if values and _plain(tensor) else None
@@ -180,11 +220,9 @@ class Operation:
     def finish(self, kept: bool = True) -> None:
         """Keep what changed in every onloaded module (``kept``: False after upstream raised: the
         module goes back as it was) and offload it again."""
-        from metapatch._offload import adapter_offload
-
-        held, self.held = self.held, []
+        onloaded, self.held = self.held, []
         refused, tied = [], []
-        for module, hook, snapshot in reversed(held):
+        for module, hook, snapshot in reversed(onloaded):
             if kept:
                 current = dict(hook_tensors(module, hook))
                 for name, tensor in current.items():
@@ -200,7 +238,7 @@ class Operation:
                         tied.append((module, name))
                         continue
                     keep(hook, name, tensor)
-            adapter_offload._release(module, hook)
+            release(module, hook)
         if tied:
             module, name = tied[0]
             raise MetapatchError(
@@ -221,13 +259,12 @@ class Operation:
         (a loader that materialises them): kept for the hook to serve, placeholders back on meta."""
         from accelerate.utils import set_module_tensor_to_device
 
-        from metapatch._offload import adapter_offload
         from metapatch._offload.module_walk import modules
 
         adopted = 0
         for module in modules(model):
             hook = offload_hook(module)
-            if hook is None or self.holds(module) or adapter_offload._held(hook):
+            if hook is None or self.holds(module) or held(hook):
                 continue
             if not hook.place_submodules and not hook.offload_buffers \
                     and all(t is None or t.is_meta for t in module._parameters.values()):
