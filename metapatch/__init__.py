@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Dict, Iterable, List, Optional
 
 from ._framework.records import MetapatchError, MetapatchWarning, Patch, State, Target, Upstream
-from ._framework.registry import Registry, lazy_patches
+from ._framework.registry import Registry, shared_registry
 
 __version__ = "0.1.0"
 __all__ = [
@@ -21,19 +21,7 @@ __all__ = [
 ]
 
 
-def _shared_registry() -> Registry:
-    # Kept in the registry module, not here, so that importlib.reload(metapatch) re-uses it
-    # instead of building a second registry that would have to adopt the first one's wrappers.
-    from ._framework import registry as _registry
-
-    existing = getattr(_registry, "REGISTRY", None)
-    if existing is None:
-        # Patch modules load when one of their targets is imported: see metapatch.patches.INDEX.
-        existing = _registry.REGISTRY = Registry(lazy_patches())
-    return existing
-
-
-registry = _shared_registry()
+registry: Registry = shared_registry()
 
 
 def install(ids: Optional[Iterable[str]] = None) -> None:

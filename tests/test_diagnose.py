@@ -211,7 +211,7 @@ def test_findings_name_their_patch_through_the_records():
     # diagnose names no patch id itself: a record lists the finding codes it fixes (Patch.diagnoses).
     import inspect
 
-    from metapatch import _diagnosis_report
+    from metapatch.diagnose import report as _diagnosis_report
     from metapatch._framework.registry import load_patches
 
     records = load_patches()

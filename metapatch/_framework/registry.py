@@ -432,3 +432,15 @@ class Registry:
         """What the registry holds per patch id it has seen (the live records, for tools that look at sites)."""
         with self._lock:
             return dict(self._status)
+
+
+def shared_registry() -> Registry:
+    """The registry of this process, the one ``import metapatch`` installs (``metapatch.registry``). Kept
+    here, not in the package, so that ``importlib.reload(metapatch)`` re-uses it instead of building a
+    second registry that would have to adopt the first one's wrappers; the tools below the package
+    (``metapatch.diagnose``) ask for it here rather than importing ``metapatch`` back."""
+    global REGISTRY  # never assigned at module level: a reload of this module keeps the registry
+    if globals().get("REGISTRY") is None:
+        # Patch modules load when one of their targets is imported: see metapatch.patches.INDEX.
+        REGISTRY = Registry(lazy_patches())
+    return REGISTRY

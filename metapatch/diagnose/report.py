@@ -81,12 +81,11 @@ def fixing_patch(code: str) -> "tuple[Optional[str], Optional[str]]":
     """(id, state here) of the patch whose record says it fixes findings ``code``: the first in
     status order that applies to this install (not ``not-affected``), else the first one declaring it
     (a sibling for other releases is still the right name to search for)."""
-    try:
-        import metapatch
-    except ImportError:  # pragma: no cover
-        return None, None
-    declaring = [row for row in metapatch.status()
-                 if code in getattr(metapatch.registry.patches.get(row["id"]), "diagnoses", ())]
+    from metapatch._framework.registry import shared_registry
+
+    registry = shared_registry()
+    declaring = [row for row in registry.status()
+                 if code in getattr(registry.patches.get(row["id"]), "diagnoses", ())]
     chosen = next((row for row in declaring if row["state"] != "not-affected"), declaring[0] if declaring else None)
     return (chosen["id"], chosen["state"]) if chosen else (None, None)
 

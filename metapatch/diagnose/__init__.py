@@ -16,7 +16,7 @@ involved, the metapatch patch that fixes it (and that patch's state here) or the
 
 Nothing here changes the model. torch is imported only by the callers (the model exists). A finding
 names the patch whose record lists its code in ``Patch.diagnoses``; the report's shape is
-:mod:`metapatch._diagnosis_report`, the reading of placements :mod:`metapatch._offload.model_placement`.
+:mod:`metapatch.diagnose.report`, the reading of placements :mod:`metapatch._offload.model_placement`.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ import sys
 from collections import Counter, defaultdict
 from typing import Any, Dict, List, Mapping, Optional
 
-from ._diagnosis_report import ERROR, INFO, WARNING, Finding, Report, with_patch
-from ._offload.hook_state import align_hooks
-from ._offload.hook_state import storage as _storage
-from ._offload.model_placement import (_collapse, _covered_meta, _device_map_owner, _fully_offloaded_roots, _join,
+from .report import ERROR, INFO, WARNING, Finding, Report, with_patch
+from .._offload.hook_state import align_hooks
+from .._offload.hook_state import storage as _storage
+from .._offload.model_placement import (_collapse, _covered_meta, _device_map_owner, _fully_offloaded_roots, _join,
                                _norm_device, _placements, tied_groups_of)
 
 def check_meta_unfilled(model: Any, covered: set) -> Optional[Finding]:
@@ -211,7 +211,7 @@ def offloaded_info(model: Any, covered: set, offloaded: Mapping[str, Any]) -> Op
 def diagnose(model: Any) -> Report:
     """Inspect ``model`` (a torch module, a transformers model or a PeftModel) and report."""
     if not callable(getattr(model, "named_modules", None)):
-        from ._framework.records import MetapatchError
+        from .._framework.records import MetapatchError
 
         raise MetapatchError(f"metapatch.diagnose() takes a torch.nn.Module (a loaded model), got {type(model).__name__}")
     covered, offloaded = _covered_meta(model)
