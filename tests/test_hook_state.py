@@ -119,3 +119,28 @@ def test_hooks_are_read_from_the_module_dict_only():
     assert hook_state.align_hooks(plain) == [off, on]
     assert hook_state.offload_hooks(plain) == [on]
     assert hook_state.offload_hook(plain) is on
+
+
+def test_no_module_but_the_reader_reads_accelerates_hook_state():
+    """``module._hf_hook`` and ``hook.weights_map`` are read (and written) in hook_state only: a second
+    reader is how diagnose and the move guard came to disagree. Attribute access and the attribute's name
+    as a string (``"_hf_hook" in module.__dict__``, ``getattr(hook, "weights_map")``) both count; the
+    keyword ``weights_map=`` of accelerate's own functions does not."""
+    import ast
+    from pathlib import Path
+
+    package = Path(metapatch.__file__).resolve().parent
+    reader = package / "_offload" / "hook_state.py"
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        if path == reader:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in ("_hf_hook", "weights_map"):
+                found.append(f"{path.relative_to(package)}:{node.lineno} .{node.attr}")
+            elif isinstance(node, ast.Call) and any(
+                    isinstance(arg, ast.Constant) and arg.value in ("_hf_hook", "weights_map") for arg in node.args[1:2]):
+                found.append(f"{path.relative_to(package)}:{node.lineno} {ast.unparse(node)[:60]}")
+            elif isinstance(node, ast.Compare) and isinstance(node.left, ast.Constant) and node.left.value == "_hf_hook":
+                found.append(f"{path.relative_to(package)}:{node.lineno} {ast.unparse(node)[:60]}")
+    assert found == []

@@ -227,10 +227,11 @@ def _restore_from_hook(module: Any, device: Any) -> None:
 
     hook = offload_hook(module)
     if hook is not None:
+        served = hook_state.weights_map_of(hook)
         for name, tensor in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
-            if tensor.device.type == "meta" and name in hook.weights_map:
-                set_module_tensor_to_device(module, name, device, value=hook.weights_map[name])
-    if "_hf_hook" in module.__dict__:
+            if tensor.device.type == "meta" and name in served:
+                set_module_tensor_to_device(module, name, device, value=served[name])
+    if hook_state.hooked(module):
         remove_hook_from_module(module)
 
 
@@ -267,10 +268,10 @@ def _keep_quant_state_of(module: Any) -> None:
     # TrainableTokensWrapper merges its delta).
     if getattr(module._parameters.get("weight"), "quant_state", None) is None or offload_hook(module) is None:
         return
-    hook = module.__dict__["_hf_hook"]
+    hook = hook_state.attached_hook(module)
     hooks = list(hook.hooks) if isinstance(hook, SequentialHook) else [hook]
     if not any(isinstance(h, KeepQuantStateHook) for h in hooks):
-        module._hf_hook = SequentialHook(KeepQuantStateHook(), *hooks)
+        hook_state.attach(module, SequentialHook(KeepQuantStateHook(), *hooks))
 
 
 def _hold_hook_of(layer: Any) -> Optional[HoldBaseLayerHook]:
@@ -320,7 +321,7 @@ def follow_base_layer_hooks(model: Any, allow_meta: bool = False) -> int:
     tuner_layers, wrappers = [], []
     kinds: dict = {}  # class -> (a tuner layer, a modules_to_save wrapper): ABC checks, asked once per class
     for name, module in named_modules(model):  # one walk: this runs at every adapter load
-        if "_hf_hook" in module.__dict__:
+        if hook_state.hooked(module):
             _keep_quant_state_of(module)
         kind = kinds.get(type(module))
         if kind is None:
@@ -335,7 +336,7 @@ def follow_base_layer_hooks(model: Any, allow_meta: bool = False) -> int:
         device = execution_device(layer)
         adapter_modules = _adapter_modules(layer)
         for _, module in adapter_modules:
-            if "_hf_hook" in module.__dict__ and module is not layer:
+            if hook_state.hooked(module) and module is not layer:
                 _restore_from_hook(module, device if device is not None else torch.device("cpu"))
         if device is None:
             continue
@@ -354,6 +355,6 @@ def follow_base_layer_hooks(model: Any, allow_meta: bool = False) -> int:
                 f"is offloaded by accelerate) are on the meta device and nothing holds their values. Load the adapter "
                 f"onto the base model before offloading it, or keep this layer in memory (device_map).")
         if _hold_hook_of(layer) is None:
-            add_hook_to_module(layer, HoldBaseLayerHook(base_layer_of(layer)), append="_hf_hook" in layer.__dict__)
+            add_hook_to_module(layer, HoldBaseLayerHook(base_layer_of(layer)), append=hook_state.hooked(layer))
         adjusted += 1
     return adjusted

@@ -12,7 +12,13 @@ of its loader). Here each answer is written once:
 * :func:`locate`: where one key of a ``weights_map`` is held (memory or the offload folder), through
   ``PrefixedDataset``, ``OffloadedWeightsLoader`` and metapatch's ``Overlay``, without loading it
   (``Mapping.__contains__`` of accelerate's loader would read the file);
-* :func:`storage`: "disk", "cpu" or "the offload store" for an offload hook.
+* :func:`storage`: "disk", "cpu" or "the offload store" for an offload hook;
+* :func:`attached_hook`, :func:`hooked` (``hooked_as_accelerate_asks``: ``hasattr``, as accelerate asks),
+  :func:`weights_map_of`: the raw reads everyone else makes through here, and the two writes metapatch
+  makes to a hook's state, :func:`attach` (a ``SequentialHook`` in place of the attached hook) and
+  :func:`serve_from` (an ``Overlay`` in front of its weights map).
+
+No other module reads ``_hf_hook`` or a hook's ``weights_map`` (``tests/test_hook_state.py`` checks).
 
 Nothing here imports accelerate: a process that never imported ``accelerate.hooks`` has no hooks.
 """
@@ -30,9 +36,44 @@ def _hooks_module() -> Any:
     return sys.modules.get("accelerate.hooks")
 
 
+def attached_hook(module: Any) -> Optional[Any]:
+    """The hook accelerate attached to ``module`` itself (a ``SequentialHook`` as it is), or None."""
+    return getattr(module, "__dict__", {}).get("_hf_hook") if module is not None else None
+
+
+def hooked(module: Any) -> bool:
+    """Whether accelerate attached a hook to ``module`` itself (asked of every module on hot walks)."""
+    return "_hf_hook" in getattr(module, "__dict__", {})
+
+
+def hooked_as_accelerate_asks(module: Any) -> bool:
+    """``hasattr(module, "_hf_hook")``, accelerate's own question: unlike :func:`hooked`, a wrapper that
+    forwards attribute look-ups (PEFT's models) answers for the model it wraps. For code that must decide
+    as accelerate decides."""
+    return hasattr(module, "_hf_hook")
+
+
+def attach(module: Any, hook: Any) -> None:
+    """Make ``hook`` the one accelerate runs for ``module`` (in place of what was attached: the caller
+    wraps that in a ``SequentialHook`` when it keeps it); accelerate's ``add_hook_to_module`` also
+    initialises the hook and wraps ``forward``, which a replacement of an attached hook must not repeat."""
+    module._hf_hook = hook
+
+
+def weights_map_of(hook: Any) -> Any:
+    """The mapping ``hook`` loads its module's tensors from (None: it serves none)."""
+    return getattr(hook, "weights_map", None)
+
+
+def serve_from(hook: Any, mapping: Any) -> None:
+    """From now on ``hook`` loads its module's tensors from ``mapping`` (an :class:`Overlay` in front of the
+    map it served)."""
+    hook.weights_map = mapping
+
+
 def hooks_on(module: Any) -> List[Any]:
     """Every accelerate hook attached to ``module`` itself, a ``SequentialHook``'s members in order."""
-    hook = getattr(module, "__dict__", {}).get("_hf_hook") if module is not None else None
+    hook = attached_hook(module)
     if hook is None:
         return []
     hooks_module = _hooks_module()
@@ -57,7 +98,7 @@ def offload_hooks(module: Any) -> List[Any]:
 
 def offload_hook(module: Any) -> Optional[Any]:
     """The hook that offloads ``module``'s own tensors and serves them from a ``weights_map``, or None."""
-    hook = getattr(module, "__dict__", {}).get("_hf_hook")
+    hook = attached_hook(module)
     if hook is None:
         return None  # asked of every module at every adapter load: most carry no hook
     hooks_module = _hooks_module()
@@ -128,7 +169,7 @@ def holds(weights_map: Any, key: str) -> bool:
 def storage(hook: Any) -> str:
     """Where an offload hook keeps its module's weights: DISK when any of them is in the offload folder,
     CPU when they are in memory, UNKNOWN when the hook serves no weights map this reader can look into."""
-    weights_map = getattr(hook, "weights_map", None)
+    weights_map = weights_map_of(hook)
     if weights_map is None:
         return UNKNOWN
     names = list(getattr(hook, "original_devices", None) or ())

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
-from .hook_state import holds, offload_hooks
+from .hook_state import holds, offload_hooks, weights_map_of
 from .hook_state import storage as _storage
 
 def _module_tensors(module: Any, recurse: bool, buffers: bool) -> Iterator[Tuple[str, Any]]:
@@ -27,7 +27,7 @@ def _covered_meta(model: Any) -> Tuple[set, Dict[str, Any]]:
         for hook in offload_hooks(module):
             recurse = bool(hook.place_submodules)
             hits = [n for n, t in _module_tensors(module, recurse, bool(hook.offload_buffers))
-                    if t.is_meta and holds(hook.weights_map, n)]
+                    if t.is_meta and holds(weights_map_of(hook), n)]
             if hits:
                 offloaded[module_name] = hook
                 covered.update(_join(module_name, n) for n in hits)

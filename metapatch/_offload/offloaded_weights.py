@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-from metapatch._offload.hook_state import offload_hooks  # noqa: F401 - re-exported: patches import it from here
+from metapatch._offload.hook_state import offload_hooks
 from metapatch._framework.records import MetapatchError
 
 

@@ -35,8 +35,8 @@ import sys
 import textwrap
 from typing import Any, Dict, List, Optional, Tuple
 
-from metapatch._offload.hook_state import holds
-from metapatch._offload.offloaded_weights import materialised, offload_hooks
+from metapatch._offload.hook_state import holds, offload_hooks
+from metapatch._offload.offloaded_weights import materialised
 from metapatch._framework.records import MetapatchError
 
 _DEPTH = 3

@@ -32,15 +32,7 @@ from collections.abc import Mapping
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from metapatch._framework.records import MetapatchError
-
-
-def offload_hook(module: Any) -> Optional[Any]:
-    """The accelerate ``AlignDevicesHook`` that offloads ``module``'s own tensors: :func:`metapatch._offload.hook_state.offload_hook`."""
-    if getattr(module, "__dict__", {}).get("_hf_hook") is None:
-        return None  # (asked of every module of the model, several times per adapter load)
-    from metapatch._offload.hook_state import offload_hook as read
-
-    return read(module)
+from metapatch._offload.hook_state import offload_hook, serve_from, weights_map_of
 
 
 def hook_tensors(module: Any, hook: Any) -> List[Tuple[str, Any]]:
@@ -101,9 +93,10 @@ def mark_tied(model: Any) -> None:
 
 def keep(hook: Any, name: str, tensor: Any) -> None:
     """``hook`` serves ``tensor`` (copied to CPU memory) for ``name`` from now on."""
-    overlay = hook.weights_map
+    overlay = weights_map_of(hook)
     if not isinstance(overlay, Overlay):
-        overlay = hook.weights_map = Overlay(overlay)
+        overlay = Overlay(overlay)
+        serve_from(hook, overlay)
     overlay.kept[name] = tensor.detach().to("cpu", copy=True)
 
 
@@ -387,7 +380,7 @@ def refresh_sources(captured: Dict[int, Tuple[Any, Dict[str, Any]]]) -> None:
     entry) replaces the old source, so a re-dispatch serves the written value."""
     for module, tensors in captured.values():
         hook = offload_hook(module)
-        overlay = getattr(hook, "weights_map", None)
+        overlay = weights_map_of(hook)
         if isinstance(overlay, Overlay):
             for name, tensor in overlay.kept.items():
                 tensors[name] = (tensor, None)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from metapatch._framework.records import Patch, Target, Upstream
+from metapatch._offload.hook_state import hooked_as_accelerate_asks
 
 
 def holds_state_tensors(module: Any) -> bool:
@@ -32,7 +33,7 @@ def build_attach_execution_device_hook(original: Callable[..., Any]) -> Callable
 
     def attach_execution_device_hook(module, execution_device, skip_keys=None, preload_module_classes=None,
                                      tied_params_map=None):
-        if not hasattr(module, "_hf_hook") and holds_state_tensors(module):
+        if not hooked_as_accelerate_asks(module) and holds_state_tensors(module):
             hooks.add_hook_to_module(
                 module,
                 hooks.AlignDevicesHook(execution_device, skip_keys=skip_keys, tied_params_map=tied_params_map),

@@ -50,17 +50,18 @@ def unindexed(model: Any, device_map: Any, offload_index: Any) -> Dict[str, Any]
 def serve(model: Any, values: Dict[str, Any]) -> list:
     """Keep each of ``values`` for the offload hook that now serves it from a map lacking it; returns the
     qualified names served."""
-    from metapatch._offload.hook_state import holds, offload_hooks
+    from metapatch._offload.hook_state import holds, offload_hooks, weights_map_of
     from metapatch._offload.store import hook_tensors, keep
 
     served = []
     for prefix, module in model.named_modules():
         for hook in offload_hooks(module):
-            if hook.weights_map is None:
+            weights_map = weights_map_of(hook)
+            if weights_map is None:
                 continue
             for name, tensor in hook_tensors(module, hook):
                 qualified = f"{prefix}.{name}" if prefix else name
-                if qualified in values and tensor.is_meta and not holds(hook.weights_map, name):
+                if qualified in values and tensor.is_meta and not holds(weights_map, name):
                     keep(hook, name, values[qualified])
                     served.append(qualified)
     return served

@@ -40,7 +40,7 @@ import weakref
 from typing import Any, Dict, Tuple
 
 from metapatch._offload import bnb_fast_repack
-from metapatch._offload.hook_state import DISK, locate, offload_hooks
+from metapatch._offload.hook_state import DISK, locate, offload_hooks, weights_map_of
 from metapatch._framework.records import MetapatchError, Patch, Target, Upstream
 
 # The repack kernel's column block (bitsandbytes' default block_n) and the nf4/fp4 types it has.
@@ -102,7 +102,7 @@ def _packed_copy(weight: Any, state: Any) -> Tuple[Any, Any]:
 def _weight_source(hook: Any) -> Tuple[Any, str, Any]:
     """(offload folder or None, the weight's key, its entry) where the hook's weights map holds the
     weight, or Nones: accelerate's disk loader keeps an index entry per weight, cpu offload the tensor."""
-    found = locate(getattr(hook, "weights_map", None), "weight")
+    found = locate(weights_map_of(hook), "weight")
     if found is None or (found.store == DISK and found.folder is None):
         return None, "", None
     return (found.folder if found.store == DISK else None), found.key, found.entry

@@ -20,7 +20,7 @@ import sys
 from typing import Any
 
 from metapatch._framework.calls import signature_of
-from metapatch._offload.offloaded_weights import offload_hooks
+from metapatch._offload.hook_state import offload_hooks
 from metapatch._framework.records import Patch, Target, Upstream
 
 PATCH_ID = "offloaded-dtype-conversion"

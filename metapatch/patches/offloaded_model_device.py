@@ -24,7 +24,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Optional
 
-from .._offload.offloaded_weights import offload_hooks
+from .._offload.hook_state import offload_hooks
 from .._framework.records import Patch, Target, Upstream
 
 PATCH_ID = "offloaded-model-device"

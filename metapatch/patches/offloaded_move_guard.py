@@ -29,7 +29,7 @@ import sys
 import weakref
 from typing import Any, Callable, List, Optional, Tuple
 
-from metapatch._offload.hook_state import offload_hooks, storage
+from metapatch._offload.hook_state import hooked, offload_hooks, storage
 from metapatch._offload.module_walk import named_modules as _named_modules
 from metapatch._framework.records import MetapatchError, Patch, Target, Upstream
 
@@ -136,8 +136,7 @@ def _holds_meta(module: Any, recurse: bool) -> bool:
 def _offloaded_with_meta(module: Any) -> Optional[Any]:
     """The module's offload hook when it keeps the module's weights on meta right now (outside a
     forward pass), else None."""
-    hook = module.__dict__.get("_hf_hook")
-    if hook is None:
+    if not hooked(module):
         return None
     for offload_hook in offload_hooks(module):
         if _holds_meta(module, recurse=bool(getattr(offload_hook, "place_submodules", False))):
@@ -148,7 +147,7 @@ def _offloaded_with_meta(module: Any) -> Optional[Any]:
 def _hooked_modules(root: Any) -> Tuple[Any, ...]:
     """The modules under ``root`` with an accelerate offload hook: cached per root and epoch."""
     if not root._modules:  # a leaf (most moves: PEFT moves every new adapter layer): no walk, no cache entry
-        return (root,) if "_hf_hook" in root.__dict__ and offload_hooks(root) else ()
+        return (root,) if hooked(root) and offload_hooks(root) else ()
     epoch = _OffloadSeen.epoch
     try:
         entry = _HOOKED_IN.get(root)
@@ -156,12 +155,12 @@ def _hooked_modules(root: Any) -> Tuple[Any, ...]:
         entry = None
     if entry is not None and entry[0] == epoch:
         return entry[1]
-    hooked = tuple(m for _, m in _named_modules(root) if "_hf_hook" in m.__dict__ and offload_hooks(m))
+    found = tuple(m for _, m in _named_modules(root) if hooked(m) and offload_hooks(m))
     try:
-        _HOOKED_IN[root] = (epoch, hooked)
+        _HOOKED_IN[root] = (epoch, found)
     except TypeError:
         pass
-    return hooked
+    return found
 
 
 def _any_offloaded(root: Any) -> bool:

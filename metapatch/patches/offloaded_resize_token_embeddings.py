@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Tuple
 
+from metapatch._offload.hook_state import serve_from, weights_map_of
 from metapatch._offload.store import Overlay
 from metapatch._framework.records import MetapatchError, Patch, Target, Upstream
 
@@ -104,11 +105,13 @@ def _maybe_offloaded(model: Any) -> bool:
     model from ``cpu_offload``/``disk_offload``), and a block offloaded by hand carries its hook on the
     base model. A model with none of these (in memory, or on meta under ``init_empty_weights``) gets
     upstream untouched."""
+    from metapatch._offload.hook_state import hooked
+
     attributes = getattr(model, "__dict__", {})
-    if "hf_device_map" in attributes or "_hf_hook" in attributes:
+    if "hf_device_map" in attributes or hooked(model):
         return True
     base = attributes.get("_modules", {}).get(getattr(type(model), "base_model_prefix", None) or "")
-    return base is not None and "_hf_hook" in getattr(base, "__dict__", {})
+    return base is not None and hooked(base)
 
 
 def _tensors(module: Any, hook: Any) -> List[Tuple[str, Any]]:
@@ -129,8 +132,8 @@ def _offload_again(module: Any, hook: Any, original_devices: Dict[str, Any], cpu
             cpu_copies[id(tensor)] = tensor.detach().to("cpu")
         resized[name] = cpu_copies[id(tensor)]
     # in front of the previous map, one layer per resize (the offload store's own overlay: what
-    # _hook_state reads, so diagnose and the move guard see the resized tensors in CPU memory)
-    hook.weights_map = Overlay(hook.weights_map, resized)
+    # hook_state reads, so diagnose and the move guard see the resized tensors in CPU memory)
+    serve_from(hook, Overlay(weights_map_of(hook), resized))
     hook.original_devices = {name: original_devices.get(name, device)
                              for name, device in (getattr(hook, "original_devices", {}) or {}).items()}
     hook.offload = True

@@ -52,7 +52,7 @@ _KEEPING_PLACEMENT = contextvars.ContextVar("metapatch_load_adapter_keeps_placem
 def _is_offloaded(model: Any) -> bool:
     """Dispatched by accelerate with weights offloaded (an offload hook somewhere, a map naming cpu/disk).
     The map is read first: a model without one is left to upstream without a walk."""
-    from metapatch._offload.store import offload_hook
+    from metapatch._offload.hook_state import offload_hook
 
     device_map = getattr(model, "__dict__", {}).get("hf_device_map")
     if not isinstance(device_map, dict) or not OFFLOADED_DEVICES & set(map(str, device_map.values())):

@@ -43,13 +43,11 @@ def max_abs_diff(a: Any, b: Any) -> float:
 
 def meta_parameters(model: Any) -> list:
     """Parameters left on meta that no accelerate offload hook will fill."""
-    from accelerate.hooks import AlignDevicesHook, SequentialHook
+    from metapatch._offload.hook_state import offload_hooks
 
     covered = set()
     for name, module in model.named_modules():
-        hook = getattr(module, "_hf_hook", None)
-        hooks = hook.hooks if isinstance(hook, SequentialHook) else [hook]
-        if any(isinstance(h, AlignDevicesHook) and h.offload for h in hooks if h is not None):
+        if offload_hooks(module):
             covered.update(f"{name}.{n}" if name else n for n, _ in module.named_parameters())
     return [n for n, p in model.named_parameters() if p.is_meta and n not in covered]
 

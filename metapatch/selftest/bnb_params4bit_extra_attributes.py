@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict
 
+from metapatch._offload.hook_state import hooked_as_accelerate_asks
+
 from ._bnb import base_checkpoint, dispatch, load_quantized, offloaded_linears, quant_config
 from ._harness import Scenario
 
@@ -25,7 +27,7 @@ def dispatch_as_loaded(workdir: Path) -> Dict[str, Any]:
         raise AssertionError("the device map was meant to offload 4-bit layers to disk; none found")
     wrong = [name for name, m in offloaded
              if not (isinstance(m.weight, bnb.nn.Params4bit) and m.weight.is_meta
-                     and m.weight.quant_state is not None and hasattr(m, "_hf_hook"))]
+                     and m.weight.quant_state is not None and hooked_as_accelerate_asks(m))]
     if wrong:
         raise AssertionError(f"offloaded 4-bit layers not left as hooked meta Params4bit with a quant state: {wrong[:5]}")
     return {"max_abs_diff": 0.0, "offloaded_4bit_layers": len(offloaded)}

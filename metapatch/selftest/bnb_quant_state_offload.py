@@ -14,6 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
+from metapatch._offload.hook_state import hooked_as_accelerate_asks
+
 from . import NotApplicable
 from ._bnb import (OFFLOADED_LAYERS, assert_equal_outputs, base_checkpoint,
                    counting_quantize_calls, dispatch, load_quantized, logits, offloaded_linears, quant_config)
@@ -66,11 +68,11 @@ def dispatch_double_quant(workdir: Path) -> Dict[str, Any]:
     offloaded ones (``offset.item()`` on meta). Every module that holds tensors gets its hook."""
     model = dispatch(load_quantized(base_checkpoint(workdir), quant_config("nf4", True)), workdir)
     missing = [name for name, m in model.named_modules()
-               if any(True for _ in m.parameters(recurse=False)) and not hasattr(m, "_hf_hook")
-               and not any(hasattr(p, "_hf_hook") for p in _parents(model, name))]
+               if any(True for _ in m.parameters(recurse=False)) and not hooked_as_accelerate_asks(m)
+               and not any(hooked_as_accelerate_asks(p) for p in _parents(model, name))]
     if missing:
         raise AssertionError(f"modules with weights but no accelerate hook: {missing[:5]}")
-    return {"max_abs_diff": 0.0, "hooked_modules": sum(hasattr(m, "_hf_hook") for m in model.modules())}
+    return {"max_abs_diff": 0.0, "hooked_modules": sum(hooked_as_accelerate_asks(m) for m in model.modules())}
 
 
 def _parents(model: Any, name: str) -> List[Any]:

@@ -108,7 +108,8 @@ def test_offloaded_again_when_the_call_raises():
 
 
 def test_nested_use_and_modules_without_hooks():
-    from metapatch._offload.offloaded_weights import materialised, offload_hooks
+    from metapatch._offload.hook_state import offload_hooks
+    from metapatch._offload.offloaded_weights import materialised
 
     module, ids, expected, _ = _offloaded()
     with materialised(module.embed):

@@ -84,6 +84,7 @@ def apply(model: Any, base: Any, current: Dict[str, Any], device_map: Dict[str, 
     from accelerate.hooks import attach_align_device_hook_on_blocks, remove_hook_from_module
 
     from metapatch._offload.adapter_offload import follow_base_layer_hooks, named_modules
+    from metapatch._offload.hook_state import hooked
 
     from ..accelerate_dispatch_skip_keys import model_skip_keys
     from ._redispatch import _place_tensors
@@ -116,7 +117,7 @@ def apply(model: Any, base: Any, current: Dict[str, Any], device_map: Dict[str, 
     one_device = len({str(v) for v in device_map.values()}) == 1 and str(main) not in offloaded
     for key, module, sub, members in plans:
         for inner in list(module.modules()):
-            if "_hf_hook" in inner.__dict__:
+            if hooked(inner):
                 remove_hook_from_module(inner)
         weights = _place_tensors(model, device_map, sources, offloaded, options.get("offload_dir"), tensors=members)
         if one_device:

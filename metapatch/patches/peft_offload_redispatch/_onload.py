@@ -19,9 +19,10 @@ def onload_layer_replacement(original: Any) -> Any:
     @contextmanager
     def onload_layer(layer: Any) -> Iterator[None]:
         from metapatch._offload import store as offload_store
+        from metapatch._offload.hook_state import offload_hook
 
         offloaded = [(module, hook) for module in layer.modules()
-                     for hook in (offload_store.offload_hook(module),) if hook is not None]
+                     for hook in (offload_hook(module),) if hook is not None]
         if not offloaded:
             with original(layer):
                 yield

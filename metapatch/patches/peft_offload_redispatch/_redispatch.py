@@ -9,6 +9,7 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 from metapatch._framework.records import MetapatchError
 
 from ..accelerate_dispatch_skip_keys import model_skip_keys
+from metapatch._offload import hook_state
 from metapatch._offload.adapter_offload import follow_base_layer_hooks
 
 from . import _incremental
@@ -193,7 +194,7 @@ def redispatch(model: Any, captured: Dict[int, Tuple[Any, Dict[str, Any]]], opti
             and isinstance(getattr(model, "prompt_encoder", None), torch.nn.Module):
         remove_hook_from_submodules(model.prompt_encoder)  # as upstream: the prompt encoder runs unhooked
     # As upstream: outputs come back on the inputs' device.
-    add_hook_to_module(base, AlignDevicesHook(io_same_device=True), append="_hf_hook" in base.__dict__)
+    add_hook_to_module(base, AlignDevicesHook(io_same_device=True), append=hook_state.hooked(base))
     # The adapter containers of offloaded layers were hooked like any module with parameters; their
     # forward may never run (IA3 reads ``ia3_l[adapter]``): they follow their base layer instead.
     follow_base_layer_hooks(model)
@@ -261,6 +262,6 @@ def _remove_hooks(model: Any) -> None:
     from accelerate.hooks import remove_hook_from_module
 
     for module in list(model.modules()):
-        if "_hf_hook" in module.__dict__:
+        if hook_state.hooked(module):
             remove_hook_from_module(module)
 

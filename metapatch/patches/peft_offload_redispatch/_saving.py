@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-from metapatch._offload import store as offload_store
+from metapatch._offload import hook_state, store as offload_store
 from metapatch._framework.records import MetapatchError
 
 
@@ -31,7 +31,7 @@ def _offloaded(model: Any) -> bool:
         device_map = state.get("hf_device_map")
         if isinstance(device_map, dict) and offload_store.map_offloads(device_map):
             return True
-        if "_hf_hook" in state:
+        if hook_state.hooked(holder):
             return True
     return False
 
@@ -86,15 +86,16 @@ def served_value(model: Any, name: str, placeholder: Any) -> Any:
             owner = model.get_submodule(".".join(parts[:depth]))
         except AttributeError:
             return placeholder
-        hook = offload_store.offload_hook(owner)
+        hook = hook_state.offload_hook(owner)
         if hook is None:
             continue
         if depth < len(parts) and not hook.place_submodules:
             return placeholder
         key = ".".join(parts[depth:] + [local])
-        if key not in hook.weights_map:
+        served = hook_state.weights_map_of(hook)
+        if key not in served:
             return placeholder
-        value = hook.weights_map[key]
+        value = served[key]
         return _as_placeholder(value, placeholder, name)
     return placeholder
 

@@ -50,19 +50,20 @@ def _source(weights_map: Any, key: str) -> Optional[Tuple[Any, Optional[str]]]:
 def capture_sources(root: Any) -> Dict[int, Tuple[Any, Dict[str, Any]]]:
     """Where every tensor offloaded by an accelerate hook under ``root`` is read from, keyed by the
     module object (names change when PEFT wraps a layer; the module does not)."""
-    from metapatch._offload.hook_state import offload_hooks
+    from metapatch._offload.hook_state import hooked, offload_hooks, weights_map_of
     from metapatch._offload.module_walk import modules
 
     found: Dict[int, Tuple[Any, Dict[str, Any]]] = {}
     for module in modules(root):
-        if "_hf_hook" not in module.__dict__:
+        if not hooked(module):
             continue
         for hook in offload_hooks(module):
-            if hook.weights_map is None:
+            served = weights_map_of(hook)
+            if served is None:
                 continue
             tensors = {}
             for name in getattr(hook, "original_devices", {}) or {}:
-                source = _source(hook.weights_map, name)
+                source = _source(served, name)
                 if source is not None:
                     tensors[name] = source
             if tensors:

@@ -6,7 +6,7 @@ import contextlib
 import contextvars
 from typing import Any, Dict, Iterator
 
-from metapatch._offload import adapter_offload, store as offload_store
+from metapatch._offload import adapter_offload, hook_state, store as offload_store
 
 from ._placement import is_offloaded
 from ._redispatch import redispatch
@@ -162,7 +162,7 @@ def _may_be_offloaded(model: Any) -> bool:
     device_map = state.get("hf_device_map")
     if isinstance(device_map, dict):
         return offload_store.map_offloads(device_map)
-    return "_hf_hook" in state
+    return hook_state.hooked(model)
 
 
 # LoRA's initialisations that draw or zero the adapter without looking at the base weight; every
@@ -226,7 +226,7 @@ def move_adapter(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     values would be lost, and where loading it would be a no-op)."""
     device = args[1] if len(args) > 1 else kwargs.get("device")
     adapter_name = args[0] if args else kwargs.get("adapter_name")
-    if offload_store.offload_hook(offload_store.innermost_base_layer(instance)) is None:
+    if hook_state.offload_hook(offload_store.innermost_base_layer(instance)) is None:
         return wrapped(*args, **kwargs)  # the base layer is not offloaded: upstream, untouched
     if device is None and adapter_name is not None \
             and adapter_offload.move_adapter_to_execution_device(instance, adapter_name):
