@@ -54,7 +54,7 @@ def main() -> None:
     import warnings
 
     import metapatch  # noqa: F401 - installs the patch
-    from metapatch._offload import tied_groups as tg
+    from metapatch._offload.tied_members import tied_groups
     from metapatch.selftest import _tied as sc
 
     warnings.filterwarnings("ignore")
@@ -69,7 +69,7 @@ def main() -> None:
     for layers in args.layers:
         model = sc.meta_model(sc.full_size_config(num_layers=layers))
         tensors = sum(1 for _ in model.named_parameters(remove_duplicate=False))
-        groups = len(tg.tied_groups(model))
+        groups = len(tied_groups(model))
         for label, budget in BUDGETS.items():
             kwargs = dict(no_split_module_classes=model._no_split_modules)
             run_patched = lambda: infer_auto_device_map(model, max_memory=dict(budget), **kwargs)  # noqa: E731

@@ -237,7 +237,7 @@ def test_result_cache_key_covers_the_shared_helpers_a_patch_imports():
     package = Path(runner.__file__).resolve().parents[1]
     tied = runner._shared_helpers([package / "patches" / "tied_device_map_transformers.py"])
     peft = runner._shared_helpers(sorted((package / "patches" / "peft_offload_redispatch").glob("*.py")))
-    assert package / "_offload" / "tied_groups.py" in tied
+    assert package / "_offload" / "tied_placement.py" in tied
     assert package / "_offload" / "adapter_offload.py" in peft
     assert package / "_offload" / "offloaded_weights.py" not in tied
 

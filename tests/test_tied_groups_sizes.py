@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from metapatch._offload import tied_groups as tg
+from metapatch._offload.tied_members import dedupe_tied_sizes
 
 # Parameter names of a small module tree: up to three levels of modules, then a tensor name.
 NAMES = st.lists(
@@ -49,7 +49,7 @@ def test_dedupe_counts_each_group_once_at_its_anchor(names, data):
                       data.draw(st.sampled_from([0, true_sizes[name]]), label=f"counted {name}"))
                for name in names}
     sizes = _table(counted)
-    tg.dedupe_tied_sizes(sizes, groups, true_sizes.__getitem__)
+    dedupe_tied_sizes(sizes, groups, true_sizes.__getitem__)
 
     expected_counted = dict(counted)
     for group in groups:

@@ -61,7 +61,7 @@ def _device_map_owner(model: Any) -> Tuple[str, Optional[Mapping[str, Any]]]:
 
 
 def _entry_of(device_map: Mapping[str, Any], name: str) -> Optional[str]:
-    from metapatch._offload.tied_groups import entry_of
+    from metapatch._offload.tied_placement import entry_of
 
     return entry_of(device_map, name)
 
@@ -92,7 +92,7 @@ def _norm_device(value: Any) -> str:
 
 def tied_groups_of(model: Any) -> List[Tuple[str, ...]]:
     try:
-        from metapatch._offload.tied_groups import tied_groups
+        from metapatch._offload.tied_members import tied_groups
     except ImportError:  # pragma: no cover - fallback: identity only
         by_id: Dict[int, List[str]] = defaultdict(list)
         for name, param in model.named_parameters(remove_duplicate=False):

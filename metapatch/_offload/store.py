@@ -80,7 +80,7 @@ def mark_tied(model: Any) -> None:
     model, the tied copies are separate tensors served by separate hooks (``tied_params_names`` stays
     empty for a tie transformers made before dispatch), and keeping one copy's write would leave the
     other with the old value."""
-    from metapatch._offload.tied_groups import tied_groups
+    from metapatch._offload.tied_members import tied_groups
 
     members: Dict[str, set] = {}
     for group in tied_groups(model):

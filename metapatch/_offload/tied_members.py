@@ -25,7 +25,7 @@ Group = Tuple[str, ...]
 # Which parameters are tied
 
 
-def _declared_mappings(model: Any) -> Iterable[Tuple[str, Mapping[str, str]]]:
+def declared_mappings(model: Any) -> Iterable[Tuple[str, Mapping[str, str]]]:
     """(prefix, {target: source}) for every outermost module that declares expanded ties.
 
     transformers expands regex ``_tied_weights_keys`` once, in ``post_init``, into
@@ -144,7 +144,7 @@ def tied_groups(model: Any, extra: Iterable[Sequence[str]] = (),
         else:
             first_by_identity[key] = name
     declared_targets = set()
-    for prefix, mapping in _declared_mappings(model):
+    for prefix, mapping in declared_mappings(model):
         for target, source in mapping.items():
             target, source = prefix + target, prefix + source
             if target in order and source in order and target != source:

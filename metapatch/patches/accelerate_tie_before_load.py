@@ -36,7 +36,7 @@ from typing import Any, Dict, List, Tuple
 from metapatch._framework.calls import signature_of
 from metapatch._framework.records import MetapatchError, Patch, Target, Upstream
 from metapatch.patches._shared_targets import shared_fingerprints
-from metapatch._offload.tied_groups import _declared_mappings
+from metapatch._offload.tied_members import declared_mappings
 
 PATCH_ID = "accelerate-tie-before-load"
 
@@ -74,7 +74,7 @@ def untied_declared_ties(model: Any) -> List[Tuple[str, str]]:
     parameters = dict(model.named_parameters(remove_duplicate=False))
     pairs: List[Tuple[str, str]] = []
     declared = False
-    for prefix, mapping in _declared_mappings(model):  # transformers 5: the expanded, config-aware mapping
+    for prefix, mapping in declared_mappings(model):  # transformers 5: the expanded, config-aware mapping
         declared = True
         for target, source in mapping.items():
             target, source = prefix + target, prefix + source
@@ -99,7 +99,7 @@ def _declared_pairs(model: Any, parameters: Dict[str, Any]) -> List[Tuple[str, s
     """Every declared (target, source) tie by parameter name, tied in place or not."""
     pairs: List[Tuple[str, str]] = []
     declared = False
-    for prefix, mapping in _declared_mappings(model):
+    for prefix, mapping in declared_mappings(model):
         declared = True
         pairs += [(prefix + t, prefix + s) for t, s in mapping.items()
                   if prefix + t in parameters and prefix + s in parameters]

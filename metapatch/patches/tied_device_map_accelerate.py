@@ -4,7 +4,7 @@ call) made aware of declared tied weights, regex-expanded by transformers.
 Upstream finds ties by tensor identity only: on a meta model built before ``tie_weights`` it sees no
 ties, counts every tied copy in full and may split a group across devices; on a tied DiffusionGemma
 its ``get_module_size_with_ties`` raises ``IndexError`` once a tied member was placed before its
-group's source. The fix is the one the transformers side uses (metapatch._offload.tied_groups): upstream's
+group's source. The fix is the one the transformers side uses (metapatch._offload.tied_placement): upstream's
 allocator runs on the tie-free problem, each group counted once at its source, then the tied copies
 join their source's device within the budgets. Where every group is already one tensor and upstream's
 map is sound, upstream's map is returned unchanged (accelerate's own tests expect its exact maps).
@@ -20,19 +20,21 @@ from .._framework.records import Patch, Target, Upstream
 PATCH_ID = "tied-device-map-accelerate"
 
 def _infer_auto_device_map(wrapped, instance, args, kwargs):
-    from .._offload import tied_groups as tg
+    from .._offload.tied_maps import all_tied_identically, clone_with_globals, sources_come_first, upstream_map_if_sound
+    from .._offload.tied_members import dedupe_tied_sizes, tied_groups
+    from .._offload.tied_placement import Placement
 
     call = call_arguments(wrapped, args, kwargs)
     model = call["model"]
     parameters: Dict[str, Any] = {}
-    groups = tg.tied_groups(model, parameters=parameters)
+    groups = tied_groups(model, parameters=parameters)
     if not groups:
         return wrapped(*args, **kwargs)
 
     upstream = wrapped.__globals__
-    if tg.all_tied_identically(model, groups, parameters) and tg.sources_come_first(groups, parameters):
+    if all_tied_identically(model, groups, parameters) and sources_come_first(groups, parameters):
         # Upstream sees these ties; keep its map wherever it is right.
-        device_map = tg.upstream_map_if_sound(wrapped, args, kwargs, call.get("max_memory"), model, groups)
+        device_map = upstream_map_if_sound(wrapped, args, kwargs, call.get("max_memory"), model, groups)
         if device_map is not None:
             return device_map
     seen: Dict[str, Any] = {}
@@ -44,7 +46,7 @@ def _infer_auto_device_map(wrapped, instance, args, kwargs):
             def tensor_bytes(name: str) -> int:
                 param = model.get_parameter(name)
                 return int(param.numel() * param.element_size())
-            tg.dedupe_tied_sizes(sizes, groups, tensor_bytes)
+            dedupe_tied_sizes(sizes, groups, tensor_bytes)
             seen["sizes"] = sizes
         return sizes
 
@@ -52,7 +54,7 @@ def _infer_auto_device_map(wrapped, instance, args, kwargs):
         seen["budgets"] = budgets = upstream["get_max_memory"](max_memory)
         return budgets
 
-    tie_free = tg.clone_with_globals(wrapped, {
+    tie_free = clone_with_globals(wrapped, {
         "compute_module_sizes": compute_module_sizes,
         "get_max_memory": get_max_memory,
         # The groups are handled after allocation; upstream must neither see nor warn about them.
@@ -64,7 +66,7 @@ def _infer_auto_device_map(wrapped, instance, args, kwargs):
     raw = tie_free(**call)
 
     budgets = seen["budgets"]
-    placement = tg.Placement(model, raw, groups, sizes=seen["sizes"], budgets=budgets,
+    placement = Placement(model, raw, groups, sizes=seen["sizes"], budgets=budgets,
                              devices=list(budgets) + ["disk"],
                              no_split=call.get("no_split_module_classes") or ())
     device_map = upstream["OrderedDict"](placement.repair())

@@ -17,13 +17,13 @@ PATCH_ID = "tied-device-map-disk-index"
 
 
 def _accelerate_disk_offload(wrapped, instance, args, kwargs):
-    from .._offload import tied_groups as tg
+    from .._offload.tied_members import index_tied_members
 
     index = wrapped(*args, **kwargs)
     model = kwargs.get("model", args[0] if args else None)
     if not index or model is None:
         return index
-    return tg.index_tied_members(index, model)
+    return index_tied_members(index, model)
 
 
 PATCH = Patch(

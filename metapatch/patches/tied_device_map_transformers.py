@@ -16,7 +16,7 @@ Upstream, with ``all_tied_weights_keys`` expanded from regex patterns:
 The fix keeps upstream's own map where it is right (5.13+: every group on one device, every budget
 kept, tied tensors counted once); otherwise it runs upstream's allocator on the tie-free problem
 (each group counted once, at its source), then moves tied copies to their source's device within the
-budgets (metapatch._offload.tied_groups). An explicit map that splits a group is repaired the same way, with a
+budgets (metapatch._offload.tied_placement). An explicit map that splits a group is repaired the same way, with a
 warning naming the pairs. Where ``from_pretrained`` cannot use a map that is all disk (transformers
 5.0-5.12 never dispatch it; 5.13+ with accelerate < 1.15 get accelerate's "offload the whole model to
 the disk"), one small module with no tie crossing it is kept on cpu (within the cpu budget), for tied
@@ -43,19 +43,21 @@ def _tensor_bytes(model: Any, hf_quantizer: Any, parameters: Optional[Dict[str, 
 
 
 def _infer_auto_device_map(wrapped, instance, args, kwargs):
-    from .._offload import tied_groups as tg
+    from .._offload.tied_maps import clone_with_globals, sources_come_first, upstream_map_if_sound
+    from .._offload.tied_members import dedupe_tied_sizes, tied_groups
+    from .._offload.tied_placement import Placement
 
     call = call_arguments(wrapped, args, kwargs)
     model = call["model"]
     parameters: Dict[str, Any] = {}
-    groups = tg.tied_groups(model, extra=[g for g in (call.get("tied_parameters") or ()) if g], parameters=parameters)
+    groups = tied_groups(model, extra=[g for g in (call.get("tied_parameters") or ()) if g], parameters=parameters)
     if not groups:
         return wrapped(*args, **kwargs)
 
     upstream = wrapped.__globals__
-    if _upstream_counts_each_tie_once() and tg.sources_come_first(groups, parameters):
+    if _upstream_counts_each_tie_once() and sources_come_first(groups, parameters):
         # Keep upstream's own map wherever it is right; it only needs replacing when it fails.
-        device_map = tg.upstream_map_if_sound(wrapped, args, kwargs, call.get("max_memory"), model, groups)
+        device_map = upstream_map_if_sound(wrapped, args, kwargs, call.get("max_memory"), model, groups)
         if device_map is not None:
             return device_map
 
@@ -65,7 +67,7 @@ def _infer_auto_device_map(wrapped, instance, args, kwargs):
         all_sizes, leaves = upstream["compute_module_sizes"](
             module, hf_quantizer, buffers_only=buffers_only, only_modules=only_modules)
         if module is model and not buffers_only and not only_modules:
-            tg.dedupe_tied_sizes(all_sizes, groups, _tensor_bytes(model, hf_quantizer, parameters))
+            dedupe_tied_sizes(all_sizes, groups, _tensor_bytes(model, hf_quantizer, parameters))
             seen["sizes"] = all_sizes
         return all_sizes, leaves
 
@@ -73,7 +75,7 @@ def _infer_auto_device_map(wrapped, instance, args, kwargs):
         seen["budgets"] = budgets = upstream["get_max_memory"](max_memory)
         return budgets
 
-    tie_free = tg.clone_with_globals(
+    tie_free = clone_with_globals(
         wrapped, {"compute_module_sizes": compute_module_sizes, "get_max_memory": get_max_memory},
         also_clone=("_init_infer_auto_device_map",))
     clean = call.get("clean_result", True)
@@ -81,7 +83,7 @@ def _infer_auto_device_map(wrapped, instance, args, kwargs):
     raw = tie_free(**call)
 
     budgets = seen["budgets"]
-    placement = tg.Placement(model, raw, groups, sizes=seen["sizes"], budgets=budgets,
+    placement = Placement(model, raw, groups, sizes=seen["sizes"], budgets=budgets,
                              devices=list(budgets) + ["disk"],
                              no_split=call.get("no_split_module_classes") or (), parameter_names=parameters)
     device_map = upstream["OrderedDict"](placement.repair())
@@ -124,10 +126,11 @@ def _keep_one_module_on_cpu(model: Any, device_map: Dict[str, Any], groups, max_
     budget, so that the (otherwise all-disk) map names two devices and is dispatched with offload hooks
     (see _single_disk_maps_are_dispatched). Untied models too: the map is all disk whenever the cpu
     budget is smaller than the largest layer."""
-    from .._offload import tied_groups as tg
+    from .._offload.tied_members import dedupe_tied_sizes
+    from .._offload.tied_placement import Placement, entry_of
 
     sizes, get_max_memory = _module_sizes_and_budgets(model)
-    tg.dedupe_tied_sizes(sizes, groups, _tensor_bytes(model, None))
+    dedupe_tied_sizes(sizes, groups, _tensor_bytes(model, None))
     cpu_budget = get_max_memory(dict(max_memory) if max_memory else None).get("cpu", 0)
     no_split = set(getattr(model, "_no_split_modules", None) or ())
     members = {m for g in groups for m in g}
@@ -147,9 +150,9 @@ def _keep_one_module_on_cpu(model: Any, device_map: Dict[str, Any], groups, max_
         best = (name, size)
     if best is None:
         return device_map
-    placement = tg.Placement(model, device_map, groups)
-    while tg.entry_of(placement.map, best[0]) != best[0]:
-        if not placement._split(tg.entry_of(placement.map, best[0])):
+    placement = Placement(model, device_map, groups)
+    while entry_of(placement.map, best[0]) != best[0]:
+        if not placement._split(entry_of(placement.map, best[0])):
             return device_map
     placement.map[best[0]] = "cpu"
     return placement.map
@@ -175,7 +178,9 @@ def _module_sizes_and_budgets(model: Any):
 
 
 def _get_device_map(wrapped, instance, args, kwargs):
-    from .._offload import tied_groups as tg
+    from .._offload.tied_maps import speed_order
+    from .._offload.tied_members import tied_groups
+    from .._offload.tied_placement import Placement, warn_split_groups
 
     call = call_arguments(wrapped, args, kwargs)
     requested = call.get("device_map")
@@ -183,12 +188,12 @@ def _get_device_map(wrapped, instance, args, kwargs):
     if not isinstance(device_map, dict) or not device_map:
         return device_map
     model = call["model"]
-    groups = tg.tied_groups(model)
+    groups = tied_groups(model)
     if groups and isinstance(requested, dict):
-        placement = tg.Placement(model, device_map, groups, devices=tg.speed_order(device_map.values()))
+        placement = Placement(model, device_map, groups, devices=speed_order(device_map.values()))
         repaired = placement.repair()
         if placement.moves:
-            tg.warn_split_groups(placement.moves)
+            warn_split_groups(placement.moves)
             device_map = type(device_map)(repaired) if isinstance(device_map, dict) else repaired
     if set(device_map.values()) == {"disk"} and not _single_disk_maps_are_dispatched():
         device_map = _keep_one_module_on_cpu(model, dict(device_map), groups, call.get("max_memory"))

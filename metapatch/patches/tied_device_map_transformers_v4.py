@@ -29,7 +29,7 @@ PATCH_ID = "tied-device-map-transformers-v4"
 
 def _load_pretrained_model(wrapped, instance, args, kwargs):
     """Give each disk-offloaded tied copy its source's entry in the returned offload index."""
-    from .._offload import tied_groups as tg
+    from .._offload.tied_members import index_tied_members
     from .._framework.calls import call_arguments
 
     result = wrapped(*args, **kwargs)
@@ -37,7 +37,7 @@ def _load_pretrained_model(wrapped, instance, args, kwargs):
     if isinstance(index, dict) and index:
         model: Any = call_arguments(wrapped, args, kwargs).get("model")
         if model is not None:
-            tg.index_tied_members(index, model)
+            index_tied_members(index, model)
     return result
 
 

@@ -102,9 +102,9 @@ def save_tiny(path: Path, seed: int = 0) -> Tuple[Path, Any]:
 
 
 def model_bytes(model: Any) -> int:
-    from .._offload import tied_groups as tg
+    from .._offload.tied_maps import bytes_per_device
 
-    return sum(tg.bytes_per_device(model, {"": "cpu"}).values())
+    return sum(bytes_per_device(model, {"": "cpu"}).values())
 
 
 def outputs(model: Any) -> Dict[str, Any]:
@@ -160,9 +160,9 @@ def check_dispatched(model: Any) -> None:
 
 def sweep_budgets(model: Any, infer: Any, budgets: Sequence[Dict[Any, int]], **kwargs: Any) -> List[str]:
     """Map inference at each budget; the list of what went wrong (empty when all is well)."""
-    from .._offload import tied_groups as tg
+    from .._offload.tied_members import tied_groups
 
-    groups = tg.tied_groups(model)
+    groups = tied_groups(model)
     problems = []
     for max_memory in budgets:
         try:
@@ -175,17 +175,17 @@ def sweep_budgets(model: Any, infer: Any, budgets: Sequence[Dict[Any, int]], **k
 
 
 def map_problems(model: Any, device_map: Any, max_memory: Dict[Any, int], groups: Any) -> List[str]:
-    from .._offload import tied_groups as tg
+    from .._offload.tied_maps import bytes_per_device, split_groups, unplaced_parameters
 
     problems = []
-    unplaced = tg.unplaced_parameters(model, device_map)
+    unplaced = unplaced_parameters(model, device_map)
     if unplaced:
         problems.append(f"{len(unplaced)} parameters unmapped, e.g. {unplaced[:2]}")
-    split = tg.split_groups(model, device_map, groups)
+    split = split_groups(model, device_map, groups)
     if split:
         problems.append(f"{len(split)} tied groups split across devices, e.g. {split[0][:2]}")
     if not unplaced:
-        used = tg.bytes_per_device(model, device_map, groups)
+        used = bytes_per_device(model, device_map, groups)
         over = {d: (used.get(d, 0), b) for d, b in max_memory.items() if used.get(d, 0) > b}
         if over:
             problems.append(f"budgets exceeded (used, budget): {over}")

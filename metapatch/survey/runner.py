@@ -191,7 +191,7 @@ def _is_shared(path: Path, package: Path) -> bool:
 
 
 def _shared_helpers(patch_files: List[Path]) -> List[Path]:
-    """The shared modules (metapatch/_offload/tied_groups.py, adapter_offload.py, the framework's records,
+    """The shared modules (metapatch/_offload/tied_placement.py, adapter_offload.py, the framework's records,
     patches/_shared_targets.py ...) a patch imports, and the shared modules those import: a change there
     changes the patch's behaviour as much as a change in the patch itself."""
     package = REPO / "metapatch"

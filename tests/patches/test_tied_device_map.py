@@ -26,7 +26,9 @@ from pathlib import Path
 import pytest
 
 import metapatch
-from metapatch._offload import tied_groups as tg
+from metapatch._offload.tied_maps import bytes_per_device, speed_order, split_groups, unplaced_parameters
+from metapatch._offload.tied_members import tied_groups
+from metapatch._offload.tied_placement import Placement, TiedGroupsSplitWarning, entry_of
 from metapatch.diffs import _as_package_relative, _run_patch, diffs_for
 from metapatch.patches.diffusion_gemma_offloaded_embeddings import PATCH as EMBED_PATCH
 from metapatch.patches.tied_device_map_accelerate import PATCH as ACC_PATCH
@@ -188,7 +190,7 @@ GiB = 1 << 30
 
 @needs_model
 def test_full_size_config_is_the_26b_a4b_shape(full_size_model):
-    groups = tg.tied_groups(full_size_model)
+    groups = tied_groups(full_size_model)
     total = sc.model_bytes(full_size_model)
     params = sum(p.numel() for p in full_size_model.parameters())
     assert 24e9 < params < 28e9, params  # 25.2B text + ~0.55B vision, encoder stack tied to the decoder
@@ -218,7 +220,7 @@ def test_full_size_two_44gib_gpus_hold_the_model(full_size_model):
 
     device_map = infer_auto_device_map(full_size_model, max_memory={0: 44 * GiB, 1: 44 * GiB, "cpu": 64 * GiB},
                                        no_split_module_classes=full_size_model._no_split_modules)
-    used = tg.bytes_per_device(full_size_model, device_map)
+    used = bytes_per_device(full_size_model, device_map)
     assert set(used) <= {0, 1}, used  # ~48 GiB once the tied encoder stack is counted once
 
 
@@ -232,7 +234,7 @@ def test_not_fewer_bytes_on_fast_devices_than_transformers_own_map(tmp_path):
     path, _ = sc.save_tiny(tmp_path / "ckpt")
     model = DiffusionGemmaForBlockDiffusion.from_pretrained(path)
     total = sc.model_bytes(model)
-    groups = tg.tied_groups(model)
+    groups = tied_groups(model)
     compared = 0
     for max_memory in sc.budget_grid(total, sc.FRACTIONS, 0) + sc.budget_grid(total, sc.FRACTIONS, 2):
         kwargs = dict(no_split_module_classes=model._no_split_modules)
@@ -243,8 +245,8 @@ def test_not_fewer_bytes_on_fast_devices_than_transformers_own_map(tmp_path):
         if sc.map_problems(model, theirs, max_memory, groups):
             continue
         ours = infer_auto_device_map(model, max_memory=dict(max_memory), **kwargs)
-        order = tg.speed_order(list(max_memory) + ["disk"])
-        mine, upstream = tg.bytes_per_device(model, ours, groups), tg.bytes_per_device(model, theirs, groups)
+        order = speed_order(list(max_memory) + ["disk"])
+        mine, upstream = bytes_per_device(model, ours, groups), bytes_per_device(model, theirs, groups)
         for i in range(1, len(order)):
             fast = order[:i]
             assert sum(mine.get(d, 0) for d in fast) >= sum(upstream.get(d, 0) for d in fast), (max_memory, ours, theirs)
@@ -257,11 +259,11 @@ def test_explicit_map_repair_names_the_pair(tmp_path):
     from transformers.integrations.accelerate import _get_device_map
 
     model = sc.meta_model(sc.tiny_config())
-    with pytest.warns(tg.TiedGroupsSplitWarning, match=r"model\.encoder\.language_model\..* is tied to 'model\.decoder"):
+    with pytest.warns(TiedGroupsSplitWarning, match=r"model\.encoder\.language_model\..* is tied to 'model\.decoder"):
         repaired = _get_device_map(model, dict(SPLIT_MAP), None, None)
-    assert tg.split_groups(model, repaired) == []
-    assert tg.unplaced_parameters(model, repaired) == []
-    assert repaired[tg.entry_of(repaired, "model.encoder.vision_tower.patch_embedder.input_proj.weight")] == "cpu"
+    assert split_groups(model, repaired) == []
+    assert unplaced_parameters(model, repaired) == []
+    assert repaired[entry_of(repaired, "model.encoder.vision_tower.patch_embedder.input_proj.weight")] == "cpu"
 
 
 def test_tied_groups_from_identity_on_a_plain_module():
@@ -269,9 +271,9 @@ def test_tied_groups_from_identity_on_a_plain_module():
 
     model = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 8, bias=False))
     model[1].weight = model[0].weight
-    assert tg.tied_groups(model) == [("0.weight", "1.weight")]
-    placement = tg.Placement(model, {"0": "cpu", "1": "disk"}, tg.tied_groups(model))
-    assert tg.split_groups(model, placement.repair()) == []
+    assert tied_groups(model) == [("0.weight", "1.weight")]
+    placement = Placement(model, {"0": "cpu", "1": "disk"}, tied_groups(model))
+    assert split_groups(model, placement.repair()) == []
     assert placement.moves == [("1.weight", "0.weight", "disk", "cpu")]
 
 
@@ -279,7 +281,8 @@ def test_module_import_is_cheap():
     import subprocess
     import sys
 
-    code = ("import sys, metapatch._offload.tied_groups, metapatch.patches.tied_device_map_transformers, "
+    code = ("import sys, metapatch._offload.tied_maps, metapatch._offload.tied_placement, "
+            "metapatch.patches.tied_device_map_transformers, "
             "metapatch.patches.tied_device_map_accelerate; "
             "print(sorted(m for m in ('torch', 'transformers', 'accelerate') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

@@ -1,7 +1,7 @@
 """A tied output head *with a bias* beside an input embedding on disk (found by ``metapatch sweep``,
 placement first-on-disk): BertLMHeadModel, BigBirdForCausalLM, CTRLLMHeadModel, Data2VecTextForCausalLM.
 
-The explicit-map repair (tied-device-map-transformers, metapatch._offload.tied_groups.Placement) used to move
+The explicit-map repair (tied-device-map-transformers, metapatch._offload.tied_placement.Placement) used to move
 only the tied parameter (``cls.predictions.decoder.weight: disk`` beside ``...decoder.bias: cpu``);
 accelerate hooks modules, so the weight stayed on meta with no hook and the head computed on the
 placeholder (garbage logits, later refused by offloaded-outside-reads). A leaf module now moves whole:
@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from metapatch._offload import tied_groups as tg
+from metapatch._offload.tied_members import tied_groups
+from metapatch._offload.tied_placement import Placement
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -90,9 +91,9 @@ def test_placement_moves_a_leaf_module_whole():
             self.head.weight = self.embed.weight
 
     model = Model()
-    groups = tg.tied_groups(model)
+    groups = tied_groups(model)
     assert groups == [("embed.weight", "head.weight")]
-    placement = tg.Placement(model, {"embed": "disk", "body": "cpu", "head": "cpu"}, groups,
+    placement = Placement(model, {"embed": "disk", "body": "cpu", "head": "cpu"}, groups,
                              devices=["cpu", "disk"])
     assert placement.repair() == {"embed": "disk", "body": "cpu", "head": "disk"}
     assert placement.moves == [("head.weight", "embed.weight", "cpu", "disk")]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
-from metapatch._offload.tied_groups import entry_of
+from metapatch._offload.tied_placement import entry_of
 
 from ._placement import _main_device
 

@@ -81,7 +81,7 @@ def _inferred_map(model: Any, strategy: str, max_memory: Any) -> Dict[str, Any]:
 
 def _placement_of(name: str, device_map: Dict[str, Any]) -> Any:
     """Where ``device_map`` places ``name`` (its longest dotted prefix, as accelerate reads maps), or None."""
-    from metapatch._offload.tied_groups import entry_of
+    from metapatch._offload.tied_placement import entry_of
 
     key = entry_of(device_map, name)
     return None if key is None else device_map[key]
@@ -91,7 +91,7 @@ def _cover_the_rest(model: Any, device_map: Dict[str, Any], main: Any, names: Op
     """Modules outside the base (prompt encoders, shared banks) go to the main device, as upstream's
     freshly inferred map would put them. ``names``: the model's tensor names under every path, where
     the caller has them (its walk of the unchanged model); else ``state_dict``'s."""
-    from metapatch._offload.tied_groups import entry_of
+    from metapatch._offload.tied_placement import entry_of
 
     # accelerate checks coverage against state_dict's names, which list a shared module under every
     # path (VeRA's vera_A/vera_B buffers: in each layer and on the tuner model itself).

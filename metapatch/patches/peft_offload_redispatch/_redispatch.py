@@ -209,7 +209,7 @@ def _served_placement(model: Any, base: Any, sources: Dict[str, Any],
     most of the cost of adding an adapter to an offloaded base), or changed only where a new
     placement differs. None for anything else (a tensor outside the base on another device, a meta
     tensor no hook knows): the full re-dispatch."""
-    from metapatch._offload.tied_groups import entry_of
+    from metapatch._offload.tied_placement import entry_of
 
     if known is None:
         known = {}
