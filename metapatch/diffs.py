@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
 from ._framework.diff_files import (DEP3_FIELDS, DIFFS_ROOT, DIFFS_ROOT_ENV, EXTRA_FIELDS, FileSection,  # noqa: F401
-                          UpstreamDiff, _order, _package_relative, all_diff_paths, diff_paths_of, diffs_for,
-                          diffs_root, name_parts, parse, resolve_diff_path, series_of, series_problem)
+                                    UpstreamDiff, all_diff_paths, diff_paths_of, diffs_for, diffs_root, name_parts,
+                                    package_relative, parse, resolve_diff_path, series_of, series_problem)
 from ._framework.records import PROJECTS  # noqa: F401
 
 # Verdicts of check(): what the installed package says about a diff.
@@ -86,7 +86,7 @@ def _run_patch(diff_text: str, directory: Path, *, reverse: bool = False, dry_ru
 
 def _rewrite_section(section: FileSection, package: str) -> str:
     """``a/src/accelerate/hooks.py`` -> ``a/accelerate/hooks.py``: package-relative paths."""
-    rel = _package_relative(section.path, package)
+    rel = package_relative(section.path, package)
     return section.text.replace(f"a/{section.path}", f"a/{rel}").replace(f"b/{section.path}", f"b/{rel}")
 
 
@@ -172,7 +172,7 @@ def _check_section(section: FileSection, package: str, package_dir: Path,
     """``earlier``: (series number, section) of the same file in the diffs before this one in its
     series, applied to the copy first (one that does not apply, e.g. already upstream, is left out,
     with a note)."""
-    rel = _package_relative(section.path, package)
+    rel = package_relative(section.path, package)
     installed_file = package_dir / rel.split("/", 1)[1]
     if not installed_file.is_file() and not section.creates and not any(e.creates for _, e in earlier):
         return FileCheck(section.path, "missing",

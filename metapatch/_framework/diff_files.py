@@ -56,11 +56,11 @@ class UpstreamDiff:
     series_index: Optional[int] = None  # N of ``<package>-<N>-<slug>.diff``; None for ``<package>.diff``
 
     def package_sections(self) -> List[FileSection]:
-        return [s for s in self.sections if _package_relative(s.path, self.package) is not None]
+        return [s for s in self.sections if package_relative(s.path, self.package) is not None]
 
     def other_sections(self) -> List[FileSection]:
         """Sections outside the package (upstream's tests, docs): they only apply to a clone."""
-        return [s for s in self.sections if _package_relative(s.path, self.package) is None]
+        return [s for s in self.sections if package_relative(s.path, self.package) is None]
 
     @property
     def description(self) -> Tuple[str, str]:
@@ -111,7 +111,7 @@ def series_problem(series: Sequence["UpstreamDiff"]) -> Optional[str]:
     return None
 
 
-def _package_relative(path: str, package: str) -> Optional[str]:
+def package_relative(path: str, package: str) -> Optional[str]:
     from .records import project_of
 
     for prefix in (f"src/{package}/", f"{package}/", f"{project_of(package).package_folder}{package}/"):

@@ -16,11 +16,11 @@ def _module_tensors(module: Any, recurse: bool, buffers: bool) -> Iterator[Tuple
         yield from module.named_buffers(recurse=recurse)
 
 
-def _join(prefix: str, name: str) -> str:
+def join_name(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix and name else prefix or name
 
 
-def _covered_meta(model: Any) -> Tuple[set, Dict[str, Any]]:
+def covered_meta(model: Any) -> Tuple[set, Dict[str, Any]]:
     """(names of meta tensors an offload hook will fill, {offloaded module name: hook})."""
     covered, offloaded = set(), {}
     for module_name, module in model.named_modules():
@@ -30,11 +30,11 @@ def _covered_meta(model: Any) -> Tuple[set, Dict[str, Any]]:
                     if t.is_meta and holds(weights_map_of(hook), n)]
             if hits:
                 offloaded[module_name] = hook
-                covered.update(_join(module_name, n) for n in hits)
+                covered.update(join_name(module_name, n) for n in hits)
     return covered, offloaded
 
 
-def _collapse(names: Iterable[str]) -> List[str]:
+def collapse(names: Iterable[str]) -> List[str]:
     """Drop names whose parent module is listed too: "model.layers.2" stands for its linears."""
     names = set(names)
     if "" in names:
@@ -51,7 +51,7 @@ def _natural(name: str) -> List[Any]:
     return [int(p) if p.isdigit() else p for p in name.split(".")]
 
 
-def _device_map_owner(model: Any) -> Tuple[str, Optional[Mapping[str, Any]]]:
+def device_map_owner(model: Any) -> Tuple[str, Optional[Mapping[str, Any]]]:
     """(prefix, hf_device_map) of the outermost module carrying one (a PeftModel's base model has it)."""
     for prefix, module in model.named_modules():
         device_map = module.__dict__.get("hf_device_map")
@@ -66,11 +66,11 @@ def _entry_of(device_map: Mapping[str, Any], name: str) -> Optional[str]:
     return entry_of(device_map, name)
 
 
-def _placements(model: Any) -> Dict[str, str]:
+def tensor_placements(model: Any) -> Dict[str, str]:
     """Where each parameter lives for computation: its hf_device_map entry when there is one,
     otherwise its offload hook's storage, otherwise its tensor's device."""
-    prefix, device_map = _device_map_owner(model)
-    _, offloaded = _covered_meta(model)
+    prefix, device_map = device_map_owner(model)
+    _, offloaded = covered_meta(model)
     result = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         place = None
@@ -85,7 +85,7 @@ def _placements(model: Any) -> Dict[str, str]:
     return result
 
 
-def _norm_device(value: Any) -> str:
+def norm_device(value: Any) -> str:
     text = str(value)
     return f"cuda:{text}" if text.isdigit() else text
 
@@ -101,18 +101,18 @@ def tied_groups_of(model: Any) -> List[Tuple[str, ...]]:
     return tied_groups(model)
 
 
-def _fully_offloaded_roots(model: Any, covered: set) -> List[str]:
+def fully_offloaded_roots(model: Any, covered: set) -> List[str]:
     """The highest modules whose every tensor is an offloaded placeholder: "model.layers.2" rather
     than its nine linears and norms."""
     found: List[str] = []
 
     def visit(name: str, module: Any) -> None:
-        tensors = [_join(name, n) for n, _ in _module_tensors(module, True, True)]
+        tensors = [join_name(name, n) for n, _ in _module_tensors(module, True, True)]
         if tensors and all(t in covered for t in tensors):
             found.append(name or "(model)")
             return
         for child, sub in module.named_children():
-            visit(_join(name, child), sub)
+            visit(join_name(name, child), sub)
 
     visit("", model)
     return found

@@ -38,11 +38,11 @@ def _signatures(module: Any, hook: Any) -> Dict[str, _Signature]:
     version: only a replacement shows there. Quantized tensor classes are left to their library:
     bitsandbytes repacks 4-bit weights on a first forward, and repacks the reloaded ones the same way on
     the next, so nothing is lost there."""
-    from metapatch._offload.store import _plain, hook_tensors
+    from metapatch._offload.store import plain_tensor, hook_tensors
 
     signatures = {}
     for name, tensor in hook_tensors(module, hook):
-        if tensor.is_meta or not _plain(tensor):
+        if tensor.is_meta or not plain_tensor(tensor):
             continue
         path, _, local = name.rpartition(".")
         signatures[name] = (path, module.get_submodule(path) if path else module, local, tensor, tensor.data_ptr(),

@@ -100,7 +100,7 @@ def keep(hook: Any, name: str, tensor: Any) -> None:
     overlay.kept[name] = tensor.detach().to("cpu", copy=True)
 
 
-def _plain(tensor: Any) -> bool:
+def plain_tensor(tensor: Any) -> bool:
     import torch
 
     return type(tensor) in (torch.nn.Parameter, torch.Tensor)
@@ -205,7 +205,7 @@ class Operation:
         hold(module, hook)
         snapshot = {}
         for name, tensor in hook_tensors(module, hook):
-            copy = tensor.detach().clone() if values and _plain(tensor) else None
+            copy = tensor.detach().clone() if values and plain_tensor(tensor) else None
             snapshot[name] = (tensor, tensor.data_ptr(), tensor._version, tensor.shape, tensor.dtype, copy)
         self.held.append((module, hook, snapshot))
         return True
@@ -221,7 +221,7 @@ class Operation:
                 for name, tensor in current.items():
                     if name in snapshot and not _changed(snapshot[name], tensor):
                         continue
-                    if not _plain(tensor):
+                    if not plain_tensor(tensor):
                         refused.append((module, name, tensor))
                         continue
                     if name in (getattr(hook, "tied_params_names", None) or ()) \
@@ -265,7 +265,7 @@ class Operation:
             for name, tensor in hook_tensors(module, hook):
                 if tensor.is_meta:
                     continue
-                if not _plain(tensor):
+                if not plain_tensor(tensor):
                     raise MetapatchError(
                         f"metapatch: {self.what} loaded {type(module).__name__}.{name} (a {type(tensor).__name__}) "
                         f"into a module accelerate offloads; a tensor of that class cannot be kept for the hook to "

@@ -28,8 +28,8 @@ from typing import Any, Dict, List, Mapping, Optional
 from .report import ERROR, INFO, WARNING, Finding, Report, with_patch
 from .._offload.hook_state import align_hooks
 from .._offload.hook_state import storage as _storage
-from .._offload.model_placement import (_collapse, _covered_meta, _device_map_owner, _fully_offloaded_roots, _join,
-                               _norm_device, _placements, tied_groups_of)
+from .._offload.model_placement import (collapse, covered_meta, device_map_owner, fully_offloaded_roots, join_name,
+                                        norm_device, tensor_placements, tied_groups_of)
 
 def check_meta_unfilled(model: Any, covered: set) -> Optional[Finding]:
     names = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta and n not in covered]
@@ -52,7 +52,7 @@ def check_meta_unfilled(model: Any, covered: set) -> Optional[Finding]:
 
 
 def check_no_device_map(model: Any, placements: Mapping[str, str], offloaded: Mapping[str, Any]) -> Optional[Finding]:
-    prefix, device_map = _device_map_owner(model)
+    prefix, device_map = device_map_owner(model)
     if device_map is not None:
         return None
     devices = {d for d in placements.values()}
@@ -99,7 +99,7 @@ def _input_device(model: Any) -> Optional[str]:
         return None
     for hook in align_hooks(embeddings):
         if hook.execution_device is not None:
-            return _norm_device(hook.execution_device)
+            return norm_device(hook.execution_device)
     weight = getattr(embeddings, "weight", None)
     return None if weight is None or weight.is_meta else str(weight.device)
 
@@ -143,7 +143,7 @@ def check_skip_keys(model: Any) -> Optional[Finding]:
                 break
     if not lacking:
         return None
-    items = [f"{n or '(model)'} lacks {keys}" for keys, names in lacking.items() for n in _collapse(names)]
+    items = [f"{n or '(model)'} lacks {keys}" for keys, names in lacking.items() for n in collapse(names)]
     finding = Finding(
         "skip-keys-missing", WARNING,
         f"{count} accelerate hook(s) do not skip the model's _skip_keys_device_placement "
@@ -177,7 +177,7 @@ def check_quant_state(model: Any, covered: set) -> Optional[Finding]:
             continue
         meta = _quant_state_meta(state)
         if meta:
-            hits.append(f"{_join(name, 'weight')}.quant_state: {', '.join(meta)}")
+            hits.append(f"{join_name(name, 'weight')}.quant_state: {', '.join(meta)}")
     if not hits:
         return None
     finding = Finding(
@@ -193,7 +193,7 @@ def offloaded_info(model: Any, covered: set, offloaded: Mapping[str, Any]) -> Op
     if not offloaded:
         return None
     places = sorted({_storage(hook) for hook in offloaded.values()})
-    roots = _fully_offloaded_roots(model, covered)
+    roots = fully_offloaded_roots(model, covered)
     storage = {}
     for root in roots:
         owner = next((offloaded[m] for m in offloaded if root == "(model)" or m == root or m.startswith(root + ".")), None)
@@ -202,7 +202,7 @@ def offloaded_info(model: Any, covered: set, offloaded: Mapping[str, Any]) -> Op
         "offloaded", INFO,
         f"{len(offloaded)} module(s) keep their weights on {' and '.join(places)} and load them for each "
         "forward pass (expected with device_map offload)",
-        [f"{root} ({storage[root]})" for root in roots] or _collapse(offloaded),
+        [f"{root} ({storage[root]})" for root in roots] or collapse(offloaded),
         fix=("do not move this model with .to()/.cuda(); move only the inputs. For speed, give the GPU(s) more "
              "max_memory or use a smaller dtype/quantization"))
     return with_patch(finding)
@@ -214,10 +214,10 @@ def diagnose(model: Any) -> Report:
         from .._framework.records import MetapatchError
 
         raise MetapatchError(f"metapatch.diagnose() takes a torch.nn.Module (a loaded model), got {type(model).__name__}")
-    covered, offloaded = _covered_meta(model)
-    placements = _placements(model)
+    covered, offloaded = covered_meta(model)
+    placements = tensor_placements(model)
     devices = Counter(str(p.device) for _, p in model.named_parameters())
-    _, device_map = _device_map_owner(model)
+    _, device_map = device_map_owner(model)
     report = Report(type(model).__name__, dict(sorted(devices.items())), device_map is not None)
     checks = (
         lambda: check_meta_unfilled(model, covered),
