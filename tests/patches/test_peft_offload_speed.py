@@ -124,7 +124,7 @@ def test_module_tensors_is_the_walk_it_replaced(tuner, remove_duplicate):
     peft = pytest.importorskip("peft")
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from metapatch.patches.peft_offload_redispatch._redispatch import module_tensors
+    from metapatch.patches.peft_offload_redispatch._tensors import module_tensors
 
     config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=4, vocab_size=64, tie_word_embeddings=True)

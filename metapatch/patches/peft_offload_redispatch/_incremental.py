@@ -32,7 +32,7 @@ def _walk(model: Any) -> Walk:
     """Every tensor under its first name (as ``named_parameters``/``named_buffers`` name it: a module's
     first visit comes at the same point with or without revisits), the tensors reachable under several names
     (left to the full re-dispatch, which re-ties them), every name, and every module under its first name."""
-    from ._redispatch import module_tensors
+    from ._tensors import module_tensors
 
     seen: Dict[int, str] = {}
     shared: set = set()
@@ -87,7 +87,7 @@ def apply(model: Any, base: Any, current: Dict[str, Any], device_map: Dict[str, 
     from metapatch._offload.hook_state import hooked
 
     from ..accelerate_dispatch_skip_keys import model_skip_keys
-    from ._redispatch import _place_tensors
+    from ._tensors import _place_tensors
 
     main = _main_device(device_map)
     if str(main) != str(_main_device(current)):
@@ -137,7 +137,7 @@ def apply(model: Any, base: Any, current: Dict[str, Any], device_map: Dict[str, 
 def _move_to(model: Any, members: List[Tuple[str, Any, bool]], device: Any) -> None:
     from accelerate.utils import set_module_tensor_to_device
 
-    from ._redispatch import _same_device
+    from ._tensors import _same_device
 
     for name, tensor, _ in members:
         if tensor.device.type == "meta" or _same_device(tensor.device, device):
