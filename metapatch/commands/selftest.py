@@ -10,7 +10,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
-from .selftest_schedule import Progress, chains, run_chains  # noqa: F401 - the schedule, part of this command
+from . import selftest_schedule
+from .selftest_schedule import Progress, chains  # noqa: F401 - the schedule, part of this command
 
 HELP = ("run the shipped reproducers against the installed versions, each in a subprocess without and "
         "with metapatch, and show whether metapatch fixes them here: by default one scenario per patch (its "
@@ -179,6 +180,12 @@ def finish_row(row: Row, unpatched: Any, patched: Optional[Any], seconds: float)
         row.verdict, row.ok = "skipped", True  # an optional package the scenario imports is missing
         return row
     return judge(row)
+
+
+def run_chains(work: List[List[Any]], quick: bool, jobs: int, registry: Any, timeout: float, on_row: Any,
+               progress: Progress) -> List[Row]:
+    """The scenarios' runs, scheduled by :func:`metapatch.commands.selftest_schedule.run_chains`, as rows of this command."""
+    return selftest_schedule.run_chains(work, quick, jobs, registry, timeout, on_row, progress, start_row, finish_row)
 
 
 def run_one(scenario: Any, registry: Any, timeout: float) -> Row:

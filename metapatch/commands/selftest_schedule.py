@@ -1,18 +1,16 @@
 """The schedule of ``metapatch selftest``: which scenarios run (chains), how many runs are in flight at once
-(run_chains) and the progress on stderr (Progress). Rows are made and judged by metapatch.commands.selftest."""
+(run_chains) and the progress on stderr (Progress). Rows are made and judged by metapatch.commands.selftest,
+which hands its row functions to run_chains (a row is ``metapatch.commands.selftest.Row``)."""
 
 from __future__ import annotations
 
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
-
-if TYPE_CHECKING:
-    from .selftest import Row
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 
-def _decisive(row: Row) -> bool:
+def _decisive(row: Any) -> bool:
     """A row that shows this install's behaviour: a scenario that could not run here (n/a, a missing
     package) says nothing, and one whose bug did not show on this machine ("not reproduced") proves
     the fix on nothing, so the quick run goes on to the patch's next scenario."""
@@ -46,7 +44,7 @@ class Progress:
         self.total, self.jobs, self.enabled = total, jobs, enabled
         self.done, self.started = 0, time.perf_counter()
 
-    def finished(self, row: Row, chain_done: bool, following: Optional[str] = None) -> None:
+    def finished(self, row: Any, chain_done: bool, following: Optional[str] = None) -> None:
         self.done += chain_done
         if not self.enabled:
             return
@@ -64,7 +62,7 @@ class _Chain:
 
     def __init__(self, scenarios: Sequence[Any]) -> None:
         self.scenarios, self.index, self.done = list(scenarios), -1, False
-        self.row: Optional[Row] = None
+        self.row: Optional[Any] = None
         self.legs: List[str] = []
         self.running = 0
         self.outcomes: Dict[str, Any] = {}
@@ -72,7 +70,8 @@ class _Chain:
 
 
 def run_chains(work: List[List[Any]], quick: bool, jobs: int, registry: Any, timeout: float,
-               on_row: Any, progress: Progress) -> List[Row]:
+               on_row: Any, progress: Progress, start_row: Callable[..., Any], finish_row: Callable[..., Any]
+               ) -> List[Any]:
     """Run the chains with ``jobs`` runs in flight at once (default 2: one per core). The unit is a
     run, not a scenario: a scenario's unpatched and patched runs go out at once, so no core waits
     while the other finishes a scenario's second run. In a chain, the next scenario starts only once
@@ -80,11 +79,9 @@ def run_chains(work: List[List[Any]], quick: bool, jobs: int, registry: Any, tim
     scenarios were given, whatever order they finished in."""
     from metapatch.selftest import run_scenario
 
-    from .selftest import finish_row, start_row
-
     order = {s.key: (n, i) for n, chain in enumerate(work) for i, s in enumerate(chain)}
     states = [_Chain(chain) for chain in work]
-    rows: List[Row] = []
+    rows: List[Any] = []
     cond = threading.Condition()
 
     def advance(chain: _Chain) -> None:  # under cond: the chain's next scenario, or its end
