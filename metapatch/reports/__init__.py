@@ -12,58 +12,10 @@ from it (``python -m metapatch.reports --write-docs``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Dict, List
 
-FIXED_BY_METAPATCH = "fixed-by-metapatch"
-FIXED_UPSTREAM = "fixed-upstream"
-NEEDS_GPU = "needs-gpu"
-NOT_META_BUG = "not-meta-bug"
-OPEN = "open"
-STATUSES = (FIXED_BY_METAPATCH, FIXED_UPSTREAM, NEEDS_GPU, NOT_META_BUG, OPEN)
-
-
-@dataclass(frozen=True)
-class Report:
-    id: str  # slug, unique
-    url: str  # as the report is published
-    title: str  # as published
-    tracker: str  # "owner/repo" (or the forum's host)
-    reporter_versions: str  # what the reporter ran, as they wrote it
-    mechanism: str  # one sentence: what goes wrong, and where
-    mechanism_key: str  # reports sharing a mechanism share this key (often the patch id)
-    signatures: Tuple[str, ...]  # regexes over the error text the reporter saw
-    status: str  # one of STATUSES
-    reason: str  # why this status; for open reports, the workaround
-    reproducer: str  # "tests/reports/cases/<module>.py:<function>"
-    patch: Optional[str] = None  # the metapatch patch id that fixes it (fixed-by-metapatch)
-    fixed_upstream_in: Mapping[str, str] = field(default_factory=dict)  # dist -> first fixed release
-    frames: Tuple[str, ...] = ()  # "module:qualname" frames typical of its traceback (for explain)
-    extra_patches: Tuple[str, ...] = ()  # other patches the fix needs on some stacks
-    # dist -> specifier where the upstream bug is measured (fixed-upstream); default: below fixed_upstream_in
-    affected: Mapping[str, str] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.status not in STATUSES:
-            raise ValueError(f"report {self.id}: unknown status {self.status!r}")
-        if self.status == FIXED_BY_METAPATCH and not self.patch:
-            raise ValueError(f"report {self.id}: fixed-by-metapatch needs a patch id")
-        if self.status == FIXED_UPSTREAM and not self.fixed_upstream_in:
-            raise ValueError(f"report {self.id}: fixed-upstream needs fixed_upstream_in")
-
-    @property
-    def reproducer_module(self) -> str:
-        path, _, _ = self.reproducer.partition(":")
-        return path[:-3].replace("/", ".") if path.endswith(".py") else path
-
-    @property
-    def reproducer_function(self) -> str:
-        return self.reproducer.partition(":")[2]
-
-    @property
-    def reproduced_here(self) -> bool:
-        """Whether the reproducer runs without a GPU (counted as reproduced in the README)."""
-        return self.status != NEEDS_GPU
+from ._report import (FIXED_BY_METAPATCH, FIXED_UPSTREAM, NEEDS_GPU, NOT_META_BUG, OPEN,  # noqa: F401
+                      README_SENTENCE_PATTERN, STATUSES, Report, upstream_status)
 
 
 def reports() -> List[Report]:
@@ -90,21 +42,8 @@ def readme_sentence() -> str:
     return f"{reproduced} public reports reproduced, {fixed} fixed by metapatch"
 
 
-README_SENTENCE_PATTERN = r"(\d+) public reports reproduced, (\d+) fixed by metapatch"
-
-
-def upstream_status(report: Report) -> str:
-    if report.fixed_upstream_in:
-        return "fixed in " + ", ".join(f"{d} {v}" for d, v in report.fixed_upstream_in.items())
-    if report.status == NOT_META_BUG:
-        return "by design (not a meta-device bug)"
-    if report.status == NEEDS_GPU:
-        return "not measured (needs a GPU)"
-    return "not fixed"
-
-
 def render_docs() -> str:
     """docs/reports.md: the corpus as a table."""
     from ._render import render
 
-    return render(reports())
+    return render(reports(), readme_sentence())

@@ -9,7 +9,7 @@ reason names the older upstream fix.
 
 from __future__ import annotations
 
-from . import FIXED_BY_METAPATCH, FIXED_UPSTREAM, NEEDS_GPU, NOT_META_BUG, OPEN, Report
+from ._report import FIXED_BY_METAPATCH, FIXED_UPSTREAM, NEEDS_GPU, NOT_META_BUG, OPEN, Report
 
 _COPY_OUT = r"Cannot copy out of meta tensor"
 _ITEM = r"Tensor\.item\(\) cannot be called on meta tensors"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import List
 
+from ._report import STATUSES, upstream_status
+
 HEADER = """# Public reports reproduced by metapatch
 
 Generated from `metapatch/reports/_corpus.py` by `python -m metapatch.reports --write-docs`; do not
@@ -32,10 +34,9 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def render(reports: List) -> str:
-    from . import STATUSES, readme_sentence, upstream_status
-
-    lines = [HEADER, f"**{readme_sentence()}.**", ""]
+def render(reports: List, sentence: str) -> str:
+    """docs/reports.md for ``reports``, headed by the README's count (``sentence``)."""
+    lines = [HEADER, f"**{sentence}.**", ""]
     summary = ", ".join(f"{sum(1 for r in reports if r.status == s)} {s}" for s in STATUSES)
     lines += [f"By status: {summary}.", ""]
     lines += ["| report | mechanism | upstream status | metapatch | status |", "|---|---|---|---|---|"]
