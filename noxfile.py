@@ -8,6 +8,8 @@
   window is exercised beyond the three pairs;
 * ``framework(python=...)``: the registry and CLI tests on the oldest and newest supported Python,
   without the heavy stack.
+* ``lint``: the import-linter contracts of pyproject.toml (the layers: tools -> patches -> offload
+  mechanisms -> framework, no import circles, no torch in the framework), in a second, without the stack.
 
     python3 -m nox                             # everything (what CI runs)
     python3 -m nox -s "tests(env='latest')"    # one environment
@@ -185,3 +187,14 @@ def framework(session):
     session.run("metapatch", "--help")
     session.run("metapatch", "status")
     session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_registry.py", *session.posargs)
+
+
+# Pinned like every tool here. Reads the sources only (lint-imports puts the working directory on the path):
+# nothing is installed but the linter.
+IMPORT_LINTER = "import-linter==2.17"
+
+
+@nox.session(python="3.11")
+def lint(session):
+    session.install(IMPORT_LINTER)
+    session.run("lint-imports", "--no-cache")
