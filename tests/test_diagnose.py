@@ -202,6 +202,22 @@ def test_diagnose_does_not_change_the_model(checkpoints, tmp_path):
     assert torch.equal(_logits(model), reference)
 
 
+def test_metapatch_diagnose_stays_callable_once_its_module_is_imported():
+    # The first call imports metapatch.diagnose, which then is the package's attribute: a second call,
+    # or one after `from metapatch.diagnose import Report`, used to raise "'module' object is not callable".
+    import subprocess
+    import sys
+
+    code = ("import metapatch, torch\n"
+            "model = torch.nn.Linear(2, 2)\n"
+            "first = metapatch.diagnose(model)\n"
+            "from metapatch.diagnose import Report\n"
+            "second = metapatch.diagnose(model)\n"
+            "print(type(first).__name__, isinstance(second, Report), second.ok)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["Report", "True", "True"]
+
+
 def test_rejects_what_is_not_a_model():
     with pytest.raises(metapatch.MetapatchError, match="torch.nn.Module"):
         diagnose({"model.layers.0": "cpu"})

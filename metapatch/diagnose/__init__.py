@@ -236,3 +236,15 @@ def diagnose(model: Any) -> Report:
 
 
 __all__ = ["Finding", "Report", "diagnose", "ERROR", "WARNING", "INFO"]
+
+
+class _CallableModule(type(sys)):
+    """``metapatch.diagnose`` names both this module and the function: importing the module (which the
+    package's ``diagnose()`` does on its first call, as does ``from metapatch.diagnose import Report``) makes
+    the module the package's attribute, and ``metapatch.diagnose(model)`` must still diagnose."""
+
+    def __call__(self, model: Any) -> Report:
+        return diagnose(model)
+
+
+sys.modules[__name__].__class__ = _CallableModule
