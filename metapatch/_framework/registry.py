@@ -19,7 +19,6 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 from .gate import Gate, Gating, disabled_ids, strict_mode  # noqa: F401 - re-exported
 from .patch_loading import LazyPatches, lazy_patches, load_patches  # noqa: F401 - re-exported
 from .records import MetapatchError, Patch, State, Target
-from .planning import plan, stack_order, stacked_at
 from .sites import PatchStatus, Planned, Retry, Site, namespace
 from .targets import MARKER, fingerprint, initializing, raw_attribute, replaced_by, resolve  # noqa: F401 - re-exported
 
@@ -104,6 +103,10 @@ class Registry:
                 self._hook(module_name, patch_id)
             if any(self._imported(m) is not None for m in modules):
                 imported.append(patch_id)
+        if not imported:
+            return  # `import metapatch` before its targets (the usual order): nothing to plan yet
+        from .planning import stack_order
+
         # Patches of one target are applied inner first (Patch.wraps_over); a module still executing
         # gets its patches when it finishes.
         for patch_id in stack_order(self.patches, imported):
@@ -154,6 +157,8 @@ class Registry:
         with self._lock:
             ids = list(self._ids_by_module.get(getattr(module, "__name__", ""), ()))
         try:
+            from .planning import stack_order
+
             ids = stack_order(self.patches, ids)  # (loads the records: they are applied now anyway)
         except Exception as exc:  # pragma: no cover - a record that cannot load: _apply reports it
             _logger().exception("metapatch: cannot order the patches of %s: %s", module.__name__, exc)
@@ -212,6 +217,8 @@ class Registry:
             self._hook(module_name, patch.id)
         lifted = self._lift_for(patch, module)
         if lifted:  # patches that wrap over this one were there first: rebuild the stack in order
+            from .planning import stack_order
+
             for patch_id in stack_order(self.patches, [patch.id, *lifted]):
                 if patch_id == patch.id:
                     self._apply_here(patch, module, late)
@@ -221,6 +228,8 @@ class Registry:
         self._apply_here(patch, module, late)
 
     def _apply_here(self, patch: Patch, module: Any, late: bool) -> None:
+        from .planning import plan
+
         messages: List[Tuple[Any, str]] = []  # (key, message): warned once the lock is released
         problem: Optional[MetapatchError] = None
         for _attempt in range(5):
@@ -286,6 +295,8 @@ class Registry:
         in ``module``, take every metapatch patch there off (outermost first) and return their ids, so
         that the stack is rebuilt in order. Otherwise nothing changes: []. Reads the targets and the
         records unlocked (either may import), lifts under the lock."""
+        from .planning import stacked_at
+
         stacked = [other for other in stacked_at(patch, module) if other in self.patches]
         if not any(patch.id in self.patches[other].wraps_over for other in stacked):
             return []
@@ -315,6 +326,10 @@ class Registry:
         return above
 
     def _put_back(self, lifted: List[str]) -> None:
+        if not lifted:
+            return
+        from .planning import stack_order
+
         for patch_id in stack_order(self.patches, lifted):
             for module_name in self.patches[patch_id].modules:
                 module = self._imported(module_name)
