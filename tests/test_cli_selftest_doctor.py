@@ -62,8 +62,11 @@ def test_selftest_table_names_every_column():
     assert lines[0].split() == ["SCENARIO", "AFFECTED", "UNPATCHED", "PATCHED", "DEVICE", "SECONDS", "VERDICT"]
     row = next(line for line in lines if line.startswith("offloaded-move-guard/moves-that-keep-working"))
     assert "passes" in row and "pass, max diff 0" in row and ("yes" in row or "no" in row)
-    seconds = float(row.split("]")[-1].split()[0])
-    assert seconds > 0
+    from metapatch.selftest import _device
+
+    device, seconds = row.split("]")[-1].split()[:2]
+    assert device == _device.choose(_device.requested(os.environ.get(_device.DEVICE_ENV)), _device.visible_cuda_devices())
+    assert float(seconds) > 0
     assert lines[-1].startswith("1 scenarios in") and "fixes every affected scenario" in lines[-1]
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
 
@@ -128,6 +131,15 @@ def test_a_bug_path_this_machine_does_not_take_is_not_applicable():
     row.patched = {"passed": False, "error_type": "AssertionError", "error": "x", "traceback_tail": ""}
     row.not_applicable = None
     assert (selftest.judge(row).verdict, row.ok) == ("FAILED", False)
+
+
+def test_a_misspelt_device_is_one_clear_line(monkeypatch, capsys):
+    monkeypatch.setenv("METAPATCH_SELFTEST_DEVICE", "gpu0")
+    parser = argparse.ArgumentParser()
+    selftest.add_arguments(parser)
+    assert selftest.run(parser.parse_args([])) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "metapatch selftest: METAPATCH_SELFTEST_DEVICE='gpu0': expected cpu, cuda, cuda:N or auto"
 
 
 def test_rows_record_the_device_and_the_pin():

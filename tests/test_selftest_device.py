@@ -146,20 +146,25 @@ def test_runs_start_fresh_interpreters_where_every_warm_parent_refuses(tmp_path)
 
 
 # -- the runs ---------------------------------------------------------------------------------------
+# Through the warm parent that serves runs with an environment of their own (torch only: quick to start);
+# the preloaded parents fork children the same way (tests/test_selftest_speed.py).
+AS_GIVEN = {_device.DEVICE_ENV: os.environ.get(_device.DEVICE_ENV) or "auto"}
+
 
 def test_a_pinned_scenario_runs_with_cuda_hidden_and_says_why():
     pinned = Scenario("p", "probe-pinned", PROBE, device="cpu", device_reason="two ranks over gloo")
-    outcome = run_scenario(pinned, patched=True)
+    outcome = run_scenario(pinned, patched=True, env=AS_GIVEN)
     assert outcome.passed, outcome.traceback
     assert (outcome.device, outcome.device_note) == ("cpu", "two ranks over gloo")
     metrics = outcome.metrics
     assert metrics["device"] == "cpu" and metrics["pinned"] == "two ranks over gloo"
     assert metrics["cuda_visible_devices"] == "" and metrics["nvml_check"] == "1"
     assert metrics["cuda_touched"] == ""  # deciding "cpu" asked CUDA nothing: its ranks may fork
+    assert metrics["started_as"] == "_zygote.py"  # a fork of the warm parent, as every plain run
 
 
 def test_an_unpinned_scenario_computes_on_the_execution_device():
-    outcome = run_scenario(Scenario("p", "probe", PROBE), patched=False)
+    outcome = run_scenario(Scenario("p", "probe", PROBE), patched=False, env=AS_GIVEN)
     assert outcome.passed, outcome.traceback
     expected = _device.choose(_device.requested(os.environ.get(_device.DEVICE_ENV)),
                               _device.visible_cuda_devices())

@@ -310,8 +310,13 @@ def exit_code(rows: Sequence[Row]) -> int:
 
 def run(args: argparse.Namespace) -> int:
     import metapatch
-    from metapatch.selftest import all_scenarios
+    from metapatch.selftest import _device, all_scenarios
 
+    try:
+        _device.requested(os.environ.get(_device.DEVICE_ENV))  # each run decides; a typo is refused once, here
+    except ValueError as exc:
+        print(f"metapatch selftest: {exc}", file=sys.stderr)
+        return 2
     scenarios = select(all_scenarios(), args.patch, args.scenario, args.include_slow)
     if not scenarios:
         print("metapatch selftest: no scenario matches"

@@ -245,6 +245,9 @@ def _child_env(requires: Mapping[str, str], patched: bool, pythonpath: Sequence[
     # where torch's default (a thread per core, each spinning while it waits) made two runs fight over the
     # cores (measured on 2 cores: a patch's scenarios at --jobs 2 took 30-40 % less wall time with it).
     child_env.setdefault("OMP_NUM_THREADS", "1")
+    # transformers >= 5.25 with the kernels package fetches hub kernels in every from_pretrained on a GPU, and
+    # fails there without network access; the scenarios compare with in-memory models built without them.
+    child_env.setdefault("USE_HUB_KERNELS", "0")
     if requires:  # judged in the child, where the upstream copy under test is importable
         child_env[REQUIRES_ENV] = json.dumps(dict(requires))
     if env:
