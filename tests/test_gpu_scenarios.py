@@ -49,13 +49,17 @@ def _affected(scenario) -> bool:
 
 
 # Every flow of the GPU record: model.device with the embedding on disk; PEFT and transformers' adapter
-# loading over a GPU/cpu/disk base; the tied DiffusionGemma under device_map="auto" at a small budget on GPU 0
-# and the CPU; .to(<GPU>, dtype) of an offloaded model; accelerate's tied-embeddings recipe with disk layers.
+# loading over a GPU/cpu/disk base; the tied DiffusionGemma under device_map="auto" at small and moderate
+# budgets split between GPU 0 and the CPU; .to(<GPU>, dtype) of an offloaded model; accelerate's
+# tied-embeddings recipe with disk layers.
 FLOWS = {
     "offloaded-model-device/generate-embedding-on-disk": {"model_device": "cuda:0", "inner_model_device": "cuda:0"},
     "peft-offload-redispatch/llama": {},
     "transformers-load-adapter-offload/load-adapter-offloaded": {},
     "tied-device-map-transformers/auto-map-small-budget": {},
+    # half the moderate budget on GPU 0, half on the CPU: GPU 0, cpu and disk in the map (simulated on the CPU
+    # by tests/patches/test_tied_device_map.py::test_gpu_budgets_simulated_on_the_cpu), computing on GPU 0
+    "tied-device-map-transformers/auto-map-moderate-budget": {"computed_on": "cuda:0", "devices": ["0", "cpu", "disk"]},
     "offloaded-dtype-conversion/to-own-device-and-dtype-layers-on-disk": {"dtype": "torch.float16"},
     "accelerate-tie-before-load/dispatch-cpu-disk-map": {"head_tied": True},
 }
@@ -118,7 +122,7 @@ def test_dispatched_model_moves_to_its_own_gpu(tmp_path):
 def test_two_rank_scenario_stays_on_the_cpu_with_cuda_hidden(tmp_path):
     """A two-rank gloo scenario on a GPU machine: pinned to the CPU (its process and ranks see no CUDA), it
     reproduces as on a CPU-only machine, never with a CUDA initialisation error."""
-    key = "accelerate-fsdp2-shared-embeddings/tied-causal-lm"
+    key = "accelerate-fsdp2-shared-embeddings/bart-three-way-tie"
     scenario = find(key)
     outcome = run_scenario(scenario, patched=True, cwd=str(tmp_path))
     assert (outcome.device, outcome.device_note) == ("cpu", scenario.device_reason), _explain(outcome)

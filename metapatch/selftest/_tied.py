@@ -288,9 +288,11 @@ def load_llama(workdir: Path, tie: bool, **load_kwargs: Any) -> Dict[str, Any]:
         on_meta = [n for n, p in loaded.named_parameters() if p.is_meta]
         if on_meta:
             raise AssertionError(f"{len(on_meta)} parameters left on meta with no device map, e.g. {on_meta[:3]}")
-        return {"max_abs_diff": diff, "devices": sorted({str(p.device) for p in loaded.parameters()})}
+        return {"max_abs_diff": diff, "devices": sorted({str(p.device) for p in loaded.parameters()}),
+                "computed_on": execution_device_of(loaded)}
     check_dispatched(loaded)
-    return {"max_abs_diff": diff, "devices": sorted(map(str, set(device_map.values())))}
+    return {"max_abs_diff": diff, "devices": sorted(map(str, set(device_map.values()))),
+            "computed_on": execution_device_of(loaded)}
 
 
 def tied_llama_models() -> Tuple[Any, Any]:

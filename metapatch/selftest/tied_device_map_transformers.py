@@ -19,7 +19,7 @@ from . import NotApplicable
 from ._device import memory_budget
 from ._harness import Expect, Scenario
 from ._tied import (FRACTIONS, LOGITS_TOLERANCE, budget_grid, check_dispatched, compare, diffusion_gemma_class,
-                    llama_sweep, load_llama, model_bytes, on_main, save_tiny, sweep_budgets)
+                    execution_device_of, llama_sweep, load_llama, model_bytes, on_main, save_tiny, sweep_budgets)
 
 PATCH_ID = "tied-device-map-transformers"
 TRANSFORMERS_5 = {"transformers": ">=5.0.0.dev0"}  # 4.57: tied-device-map-transformers-v4 runs these
@@ -34,7 +34,8 @@ def load_auto(workdir: Path, budget_fraction: float) -> Dict[str, Any]:
         path, device_map="auto", max_memory=memory_budget(budget), offload_folder=str(offload)).eval()
     diff = compare(loaded, reference)  # the seed's symptom first: generate() on meta tensors
     check_dispatched(loaded)
-    return {"max_abs_diff": diff, "cpu_budget": budget, "devices": sorted(map(str, set(loaded.hf_device_map.values())))}
+    return {"max_abs_diff": diff, "cpu_budget": budget, "devices": sorted(map(str, set(loaded.hf_device_map.values()))),
+            "computed_on": execution_device_of(loaded)}
 
 
 def auto_map_moderate_budget(workdir: Path) -> Dict[str, Any]:
