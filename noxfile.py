@@ -61,6 +61,7 @@ TEST_TOOLS = ["safetensors", "pytest>=8", "pytest-xdist", "hypothesis>=6", "para
 ONCE = ["tests/test_pr_checks.py", "tests/test_series_reproducers.py", "tests/test_reproducers.py",
         "tests/test_diffs_run_real.py",
         "tests/test_sweep.py", "tests/test_flows.py", "tests/patches/test_fsdp_loading.py", "tests/test_forked_ranks.py",
+        "tests/test_selftest_device.py",
         "tests/patches/test_bnb_cpu_repack.py",
         "tests/test_cli_selftest_doctor.py", "tests/test_run.py", "tests/test_explain.py", "tests/test_cli_pr_pins.py",
         "tests/test_registry.py", "tests/test_upstream_suites.py", "tests/patches/test_peft_offload_redispatch_tuners.py"]

@@ -59,11 +59,14 @@ def test_selftest_json_on_the_failing_scenario():
 def test_selftest_table_names_every_column():
     proc = _cli("selftest", "--scenario", "moves-that-keep-working")
     lines = proc.stdout.splitlines()
-    assert lines[0].split() == ["SCENARIO", "AFFECTED", "UNPATCHED", "PATCHED", "SECONDS", "VERDICT"]
+    assert lines[0].split() == ["SCENARIO", "AFFECTED", "UNPATCHED", "PATCHED", "DEVICE", "SECONDS", "VERDICT"]
     row = next(line for line in lines if line.startswith("offloaded-move-guard/moves-that-keep-working"))
     assert "passes" in row and "pass, max diff 0" in row and ("yes" in row or "no" in row)
-    seconds = float(row.split("]")[-1].split()[0])
-    assert seconds > 0
+    from metapatch.selftest import _device
+
+    device, seconds = row.split("]")[-1].split()[:2]
+    assert device == _device.choose(_device.requested(os.environ.get(_device.DEVICE_ENV)), _device.visible_cuda_devices())
+    assert float(seconds) > 0
     assert lines[-1].startswith("1 scenarios in") and "fixes every affected scenario" in lines[-1]
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
 
@@ -105,6 +108,50 @@ def test_verdicts_and_exit_code(affected, expected, unpatched, patched, verdict,
     row = _row(affected, expected, unpatched, patched)
     assert (row.verdict, row.ok) == (verdict, ok)
     assert selftest.exit_code([_row(True, "E", False, True), row]) == (0 if ok else 1)
+
+
+def test_a_declared_upstream_pass_is_no_missing_reproduction():
+    """Where the scenario declares that upstream passes on the installed releases (an ``Expect("")``), an
+    unpatched pass is "passes", not "not reproduced"; where it declares an error, it stays "not reproduced"."""
+    row = selftest.Row("p/s", "p", "", True, "gate", expected_error="RuntimeError", declared_unpatched="")
+    row.unpatched = {"passed": True, "error_type": None}
+    row.patched = {"passed": True, "error_type": None, "max_abs_diff": 0.0}
+    assert (selftest.judge(row).verdict, row.ok) == ("passes", True)
+    row.declared_unpatched = "RuntimeError"
+    assert selftest.judge(row).verdict == "not reproduced"
+
+
+def test_a_bug_path_this_machine_does_not_take_is_not_applicable():
+    """A scenario whose unpatched run passed because the bug's code path is not taken here says why
+    (``not_reproducible_here``): n/a with that reason, exit code unchanged; a failing patched run still fails."""
+    row = selftest.Row("p/s", "p", "", True, "gate", expected_error="AssertionError", declared_unpatched="AssertionError")
+    row.unpatched = {"passed": True, "error_type": None, "metrics": {"not_reproducible_here": "no AVX512-BF16"}}
+    row.patched = {"passed": True, "error_type": None, "max_abs_diff": 0.0}
+    assert (selftest.judge(row).verdict, row.ok, row.not_applicable) == ("n/a (no AVX512-BF16)", True, "no AVX512-BF16")
+    row.patched = {"passed": False, "error_type": "AssertionError", "error": "x", "traceback_tail": ""}
+    row.not_applicable = None
+    assert (selftest.judge(row).verdict, row.ok) == ("FAILED", False)
+
+
+def test_a_misspelt_device_is_one_clear_line(monkeypatch, capsys):
+    monkeypatch.setenv("METAPATCH_SELFTEST_DEVICE", "gpu0")
+    parser = argparse.ArgumentParser()
+    selftest.add_arguments(parser)
+    assert selftest.run(parser.parse_args([])) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "metapatch selftest: METAPATCH_SELFTEST_DEVICE='gpu0': expected cpu, cuda, cuda:N or auto"
+
+
+def test_rows_record_the_device_and_the_pin():
+    from metapatch.selftest import Outcome
+
+    row = selftest.Row("p/s", "p", "", True, "gate", expected_error="E")
+    unpatched = Outcome("p/s", False, False, "E", "x", device="cpu", device_note="two ranks over gloo")
+    patched = Outcome("p/s", True, True, metrics={"max_abs_diff": 0.0}, device="cpu", device_note="two ranks over gloo")
+    row = selftest.finish_row(row, unpatched, patched, 1.0)
+    assert (row.device, row.device_note, row.verdict) == ("cpu", "two ranks over gloo", "fixed")
+    assert selftest.cells(row)[4] == "cpu*" and "    cpu*: two ranks over gloo" in selftest.format_details(row)
+    assert selftest.summary_line([row], 1.0).endswith("Computed on cpu (pinned): 1.")
 
 
 # -- n/a: a scenario whose model class is missing -------------------------------------------------

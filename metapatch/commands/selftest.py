@@ -35,15 +35,23 @@ speed:
   METAPATCH_SELFTEST_FORK=0 starts a fresh interpreter per run. --json gives seconds and cpu_seconds
   (user + system, subprocesses included) per run: a busy machine stretches the first, not the second
 
+device:
+  each scenario computes on the execution device: cuda:0 where torch sees a CUDA device (GPU 0 in the
+  device map, the offloaded rest on cpu/disk), cpu otherwise; METAPATCH_SELFTEST_DEVICE=cpu|cuda|cuda:N
+  overrides it. Scenarios that cannot use a GPU (two ranks over gloo, a CPU-only kernel path) are pinned
+  to cpu with CUDA hidden, and say why (DEVICE column, "device" and "device_note" in --json)
+
 verdicts:
   fixed            affected install: fails without metapatch, passes with it
   not reproduced   affected install, but the unpatched run passed on this machine (the fix is still checked)
-  passes           the scenario passes with and without metapatch (a regression guard, or not affected)
+  passes           the scenario passes with and without metapatch (a regression guard, not affected, or
+                   a flow upstream already handles on these releases, as the scenario declares)
   FAILED           the run with metapatch failed: metapatch does not fix this install (exit code 1)
   BUG OUTSIDE GATE not affected by the version gate, yet the bug reproduces (exit code 1; please report)
   skipped          a package the scenario needs is not installed
   n/a (REASON)     the scenario's model class or API does not exist in the installed versions
-                   (e.g. "needs transformers >= 5.5"): neither passed nor failed, exit code unchanged
+                   (e.g. "needs transformers >= 5.5"), or the bug's code path is not taken on this
+                   machine (e.g. a CPU kernel this CPU lacks): neither passed nor failed, exit code unchanged
 """
 
 
@@ -63,6 +71,11 @@ class Row:
     seconds: float = 0.0
     cpu_seconds: Optional[float] = None  # both runs' CPU time (None where unknown): what a quiet machine needs
     not_applicable: Optional[str] = None  # why the scenario does not apply here (verdict "n/a (...)")
+    # What the scenario declares its unpatched run does on this install ("" passes, else the error
+    # class(es)): where it declares a pass, an unpatched pass is "passes", not "not reproduced".
+    declared_unpatched: Optional[str] = None
+    device: Optional[str] = None  # where the runs computed ("cpu", "cuda:0"; None where neither said)
+    device_note: Optional[str] = None  # why it is pinned to the CPU, where it is
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -104,6 +117,7 @@ def _outcome_summary(outcome: Any, patch_id: str) -> Dict[str, Any]:
         "patch_state": outcome.states.get(patch_id),
         "traceback_tail": outcome.traceback[-1500:] if not outcome.passed else "",
         "not_applicable": outcome.not_applicable,
+        "device": outcome.device,
     }
 
 
@@ -130,8 +144,15 @@ def judge(row: Row) -> Row:
         row.verdict, row.ok = "BUG OUTSIDE GATE", False
     elif reproduced:
         row.verdict = "fixed"
-    elif row.affected and row.expected_error:
-        row.verdict = "not reproduced"
+    elif row.affected and row.expected_error and row.declared_unpatched != "":
+        # The scenario may know why its bug cannot show on this machine (a CPU kernel path this CPU
+        # does not take): then it applies no more than a missing model class would.
+        why = (unpatched.get("metrics") or {}).get("not_reproducible_here")
+        if why:
+            row.not_applicable = str(why)
+            row.verdict = f"n/a ({row.not_applicable})"
+        else:
+            row.verdict = "not reproduced"
     else:
         row.verdict = "passes"
     return row
@@ -161,6 +182,8 @@ def start_row(scenario: Any, registry: Any) -> Row:
         affected, reason, installed = None, "no patch with this id is registered", {}
     row = Row(scenario.key, scenario.patch_id, scenario.description, affected, reason, dict(installed),
               scenario.expected_error)
+    if patch is not None:
+        row.declared_unpatched = scenario.expected_unpatched(bool(affected)).error
     if patch is not None and not affected and _missing_distribution(reason):
         row.verdict, row.ok = "skipped", True
     return row
@@ -174,6 +197,10 @@ def finish_row(row: Row, unpatched: Any, patched: Optional[Any], seconds: float)
     if unpatched.not_applicable is None and patched is not None:
         row.patched = _outcome_summary(patched, row.patch_id)
     row.seconds = round(seconds, 2)
+    for outcome in (patched, unpatched):
+        if outcome is not None and outcome.device:
+            row.device, row.device_note = outcome.device, outcome.device_note
+            break
     cpu = [r.get("cpu_seconds") for r in (row.unpatched, row.patched) if r]
     row.cpu_seconds = round(sum(cpu), 2) if cpu and None not in cpu else None
     if row.patched is not None and _missing_package(patched):
@@ -203,7 +230,7 @@ def run_one(scenario: Any, registry: Any, timeout: float) -> Row:
 
 # -- output --------------------------------------------------------------------------------------
 
-COLUMNS = ("scenario", "affected", "unpatched", "patched", "seconds", "verdict")
+COLUMNS = ("scenario", "affected", "unpatched", "patched", "device", "seconds", "verdict")
 
 
 def _affected_text(row: Row) -> str:
@@ -232,12 +259,16 @@ def _patched_text(row: Row) -> str:
     return f"{text} [{state}]" if state else text
 
 
+def _device_text(row: Row) -> str:
+    return (row.device or "-") + ("*" if row.device_note else "")
+
+
 def cells(row: Row) -> List[str]:
-    return [row.scenario, _affected_text(row), _unpatched_text(row), _patched_text(row),
+    return [row.scenario, _affected_text(row), _unpatched_text(row), _patched_text(row), _device_text(row),
             f"{row.seconds:.1f}", row.verdict]
 
 
-WIDTHS = (50, 8, 22, 34, 7, 16)
+WIDTHS = (50, 8, 22, 34, 7, 7, 16)
 
 
 def format_line(values: Sequence[str]) -> str:
@@ -248,6 +279,8 @@ def format_details(row: Row) -> List[str]:
     out = []
     if row.verdict in ("FAILED", "BUG OUTSIDE GATE", "not reproduced", "skipped"):
         out.append(f"    gate: {row.gate}")
+    if row.device_note:
+        out.append(f"    {row.device}*: {row.device_note}")
     if row.verdict == "FAILED" and any((r or {}).get("not_applicable") for r in (row.unpatched, row.patched)):
         out.append("    n/a in only one of the two runs: "
                    + "; ".join(f"{label}: {r.get('not_applicable') or 'ran'}"
@@ -269,7 +302,13 @@ def summary_line(rows: Sequence[Row], seconds: float) -> str:
     text = ", ".join(f"{n} {v}" for v, n in counts.items()) or "no scenarios"
     verdict = "metapatch fixes every affected scenario on this install" if not failed \
         else f"NOT fixed here: {', '.join(failed)}"
-    return f"{len(rows)} scenarios in {seconds:.0f} s ({text}). {verdict}."
+    devices: Dict[str, int] = {}
+    for row in rows:
+        if row.device:
+            where = row.device + (" (pinned)" if row.device_note else "")
+            devices[where] = devices.get(where, 0) + 1
+    where = f" Computed on {', '.join(f'{d}: {n}' for d, n in sorted(devices.items()))}." if devices else ""
+    return f"{len(rows)} scenarios in {seconds:.0f} s ({text}). {verdict}.{where}"
 
 
 def exit_code(rows: Sequence[Row]) -> int:
@@ -278,8 +317,13 @@ def exit_code(rows: Sequence[Row]) -> int:
 
 def run(args: argparse.Namespace) -> int:
     import metapatch
-    from metapatch.selftest import all_scenarios
+    from metapatch.selftest import _device, all_scenarios
 
+    try:
+        _device.requested(os.environ.get(_device.DEVICE_ENV))  # each run decides; a typo is refused once, here
+    except ValueError as exc:
+        print(f"metapatch selftest: {exc}", file=sys.stderr)
+        return 2
     scenarios = select(all_scenarios(), args.patch, args.scenario, args.include_slow)
     if not scenarios:
         print("metapatch selftest: no scenario matches"
@@ -312,9 +356,12 @@ def run(args: argparse.Namespace) -> int:
         print("metapatch selftest: a fresh interpreter per run (METAPATCH_SELFTEST_FORK=0, or no os.fork)",
               file=sys.stderr, flush=True)
     else:
+        from metapatch.selftest._harness import PRELOAD_SKIPPED
+
         imported = ", ".join(["torch", *(["metapatch", *preloaded] if preloaded else [])])
+        left_out = "".join(f"; {name} imported by each run: it {why}" for name, why in PRELOAD_SKIPPED.items())
         print(f"metapatch selftest: warm parents ready in {time.perf_counter() - warming:.0f} s (imported once, "
-              f"forked per run: {imported})", file=sys.stderr, flush=True)
+              f"forked per run: {imported}{left_out})", file=sys.stderr, flush=True)
     progress = Progress(len(work), jobs, enabled=True)
     rows = run_chains(work, quick, jobs, metapatch.registry, args.timeout, on_row, progress)
     elapsed = time.perf_counter() - started
