@@ -26,7 +26,7 @@ nox.options.reuse_existing_virtualenvs = True
 # The matrix is metapatch's own data (metapatch pins reads it too), loaded without importing the
 # package: nox runs in an interpreter that has none of metapatch's dependencies.
 TESTED = runpy.run_path("metapatch/tested_versions.py")
-NAMES = {("5.11.0", "1.13.0"): "seed", ("5.7.0", "1.13.0"): "gemma4-int", ("5.24.0", "1.15.0"): "latest"}
+NAMES = {("5.11.0", "1.13.0"): "seed", ("5.7.0", "1.13.0"): "gemma4-int", ("5.25.0", "1.16.0"): "latest"}
 MATRIX = {NAMES.get(pair, "t{}-a{}".format(*pair)): {"transformers": pair[0], "accelerate": pair[1]}
           for pair in TESTED["PAIRS"]}
 TORCH = f"torch=={TESTED['COMMON']['torch']}"  # pinned everywhere: an open range pulls a multi-GB CUDA build
