@@ -33,7 +33,9 @@ def plan(patch: Patch, module: Any, status: PatchStatus, gate: Gate) -> Tuple[Li
         if owner is not None:
             return plan, (State.CONFLICT, conflict_reason(target, owner))
         site = status.sites.get(target.dotted)
-        if site is not None and site.parent is parent and site.holds_installed():
+        # In place, itself or under other metapatch patches that wrapped it since (a second patch of one target
+        # without a declared order): planning it again would wrap the target twice.
+        if site is not None and site.parent is parent and site.stacked_above() is not None:
             continue
         marker = getattr(current, MARKER, None)
         if marker is not None and marker[0] == patch.id:

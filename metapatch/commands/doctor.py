@@ -281,9 +281,16 @@ def verdict_text(report: Any, forward: Optional[Dict[str, Any]]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    import importlib.util
+
     import metapatch
     from metapatch.diagnose import diagnose
 
+    missing = [name for name in ("torch", "transformers", "accelerate") if importlib.util.find_spec(name) is None]
+    if missing:
+        print(f"metapatch doctor: {', '.join(missing)} not installed: doctor loads the checkpoint with transformers "
+              "(pip install 'metapatch[hf]')", file=sys.stderr)
+        return 2
     try:
         model = load(args)
     except MetapatchError as exc:
