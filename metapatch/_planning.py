@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Iterable, List, Optional, Tuple
 
+from . import _firing
 from ._gate import Gate
 from ._records import Patch, State
 from ._sites import PatchStatus, Planned, conflict_reason
@@ -51,12 +52,17 @@ def plan(patch: Patch, module: Any, status: PatchStatus, gate: Gate) -> Tuple[Li
                           f"{target.dotted} changed upstream (source fingerprint {found}, patch written for "
                           f"{', '.join(target.fingerprints)}); skipped rather than patched blindly")
         try:
+            counting = _firing.enabled()  # METAPATCH_DEBUG=1: each call counted for the report at exit
             if target.wrapper is not None:
                 import wrapt
 
-                installed = wrapt.FunctionWrapper(current, target.wrapper)
+                wrapper = (_firing.counting_wrapper(patch.id, target.dotted, target.wrapper) if counting
+                           else target.wrapper)
+                installed = wrapt.FunctionWrapper(current, wrapper)
             else:
                 installed = target.replacement(current)
+                if counting:
+                    installed = _firing.counted_replacement(patch.id, target.dotted, installed, MARKER)
             setattr(installed, MARKER, (patch.id, target.dotted, current))
         except Exception as exc:
             return plan, (State.FAILED, f"{type(exc).__name__}: {exc}")

@@ -395,9 +395,10 @@ def test_doctor_runs_encoder_decoder_and_classification_models(other_checkpoints
     modules, tensors = offloaded["summary"].split(" module(s) (")
     assert int(modules) == len(offloaded["items"]) and all(item.endswith("(disk)") for item in offloaded["items"])
     assert int(tensors.split()[0]) > int(modules)  # the tensors are counted apart
-    text = _cli("doctor", str(other_checkpoints / kind), "--device-map", json.dumps(device_map),
-                "--offload-folder", str(tmp_path / "offload-text"))
-    assert text.stdout.rstrip().endswith("verdict: ok") and "forward pass: ok" in text.stdout
+    if kind == "t5":  # the text report ends with the verdict, after the forward pass it covers
+        text = _cli("doctor", str(other_checkpoints / kind), "--device-map", json.dumps(device_map),
+                    "--offload-folder", str(tmp_path / "offload-text"))
+        assert text.stdout.rstrip().endswith("verdict: ok") and "forward pass: ok" in text.stdout
 
 
 def test_doctor_verdict_follows_a_failed_forward():
