@@ -34,7 +34,8 @@ def run(args: argparse.Namespace) -> int:
     from . import UsageError
 
     known = list(metapatch.registry.patches)
-    unknown = [pid for pid in args.patch_ids if pid not in metapatch.registry.patches]
+    wanted = list(getattr(args, "patch_ids", None) or [])
+    unknown = [pid for pid in wanted if pid not in metapatch.registry.patches]
     if unknown:
         close = sorted({m for pid in unknown for m in difflib.get_close_matches(pid, known, n=3, cutoff=0.5)})
         raise UsageError(f"unknown patch id(s) {', '.join(unknown)}"
@@ -49,8 +50,8 @@ def run(args: argparse.Namespace) -> int:
                 except ImportError:
                     pass  # reported through the row's state: the distribution is missing
     rows = metapatch.status()
-    if args.patch_ids:
-        rows = [row for row in rows if row["id"] in args.patch_ids]
+    if wanted:
+        rows = [row for row in rows if row["id"] in wanted]
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
