@@ -78,3 +78,24 @@ def test_help_lists_every_environment_variable_the_readme_lists():
     assert documented <= listed, documented - listed
     for code in ("0", "1", "2", "3", "141"):
         assert re.search(rf"^\s+{code}\s+\S", done.stdout, re.M), f"exit code {code} is not documented"
+
+
+def test_commands_drop_only_bitsandbytes_kernel_line(caplog):
+    """bitsandbytes logs this at import on AVX512-BF16 CPUs where `kernels` cannot fetch its Hub kernel; the
+    CLI drops that one message in its own process, nothing else from that logger."""
+    import logging
+
+    from metapatch.commands import quiet_upstream_import_noise
+
+    logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    before = list(logger.filters)
+    try:
+        quiet_upstream_import_noise()
+        quiet_upstream_import_noise()  # idempotent
+        assert len(logger.filters) == len(before) + 1
+        with caplog.at_level(logging.WARNING, logger=logger.name):
+            logger.warning("Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please ...", "trust")
+            logger.warning("another warning")
+        assert [r.getMessage() for r in caplog.records] == ["another warning"]
+    finally:
+        logger.filters[:] = before
