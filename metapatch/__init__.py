@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Iterable, List, Optional
 
+from ._framework import firing as _firing
 from ._framework.records import MetapatchError, MetapatchWarning, Patch, State, Target, Upstream
 from ._framework.registry import Registry, shared_registry
 
@@ -47,3 +48,5 @@ def diagnose(model: Any) -> Any:
 
 
 install()
+if _firing.enabled():  # METAPATCH_DEBUG=1: which patches ran, at exit
+    _firing.report_at_exit(registry)
