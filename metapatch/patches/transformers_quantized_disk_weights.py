@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Mapping
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 from metapatch._calls import signature_of
 from metapatch._records import MetapatchError, Patch, Target, Upstream
