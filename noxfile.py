@@ -178,6 +178,15 @@ def gate(session, stack):
         session.error(f"selftest on {stack}: not fixed: {failed}")
 
 
+# The GPU lane (.ci/gpu_lane.py): not a default session. On a machine with CUDA it installs the matrix pair
+# from the wheels `python3 .ci/gpu_lane.py prepare` put in .gpu/whl and runs the lane in one go (about 5.5 min);
+# elsewhere it runs the CPU dry run. CI runs the dry run at its smallest through tests/test_gpu_lane.py.
+#     python3 -m nox -s gpu_lane -- --out DIR [--budget 330] [--dry-run]
+@nox.session(python=False, default=False)
+def gpu_lane(session):
+    session.run("python3", ".ci/gpu_lane.py", "run", *session.posargs, external=True)
+
+
 @nox.session(python=[_interpreter(v) for v in TESTED["FRAMEWORK_PYTHONS"]])
 def framework(session):
     session.install("-e", ".", "pytest>=8", "hypothesis>=6")

@@ -171,22 +171,23 @@ PATCH = Patch(
     title="from_pretrained keeps the quantized value (and its quant_state) of a bitsandbytes 4-bit weight "
           "mapped to disk, quantized where the in-memory model quantizes it",
     # Measured (CPU, the selftest scenarios with device_map="auto" resolved to a map with disk entries, as on a
-    # GPU machine): transformers 5.25.0 / accelerate 1.16.0 / bitsandbytes 0.50.2. transformers 4.57 loads
-    # offloaded weights on another code path (not covered: its scenarios are n/a there).
-    affects={"transformers": ">=5.0.0.dev0", "bitsandbytes": ">=0.46.0"},
+    # GPU machine): transformers 5.25.0 / accelerate 1.16.0 / bitsandbytes 0.50.2. The targets' code is the
+    # same from 5.1.0 on (two variants of the quantization op, survey table); 5.0.0 re-saves in another way
+    # and 4.57 loads offloaded weights on another code path: neither is covered (left to the survey's --run).
+    affects={"transformers": ">=5.1.0", "bitsandbytes": ">=0.46.0"},
     targets=(
         Target("transformers.quantizers.quantizer_bnb_4bit", "Bnb4BitHfQuantizer.validate_environment",
-               # the same source in 5.2.0, 5.7.0, 5.11.0, 5.17.0, 5.24.0 and 5.25.0
-               fingerprints=("47f70ad9fd2ea7bf",), wrapper=validate_environment),
+               fingerprints=("47f70ad9fd2ea7bf",),  # 5.0.0 .. 5.25.0
+               wrapper=validate_environment),
         Target("transformers.integrations.bitsandbytes", "Bnb4bitQuantize.convert",
                fingerprints=(
-                   "d81e386f442b726f",  # 5.11.0, 5.17.0, 5.24.0, 5.25.0 (one result per input)
-                   "d49750814549f0e4",  # 5.2.0, 5.7.0 (the first input only)
+                   "d81e386f442b726f",  # 5.10.1 .. 5.25.0 (one result per input)
+                   "d49750814549f0e4",  # 5.0.0 .. 5.9.0 (the first input only)
                ),
                wrapper=bnb4bit_quantize_convert),
         Target("transformers.core_model_loading", "offload_and_maybe_resave_param",
-               # the same source in 5.2.0, 5.7.0, 5.11.0, 5.17.0, 5.24.0 and 5.25.0
-               fingerprints=("0571c85df1e591dc",), wrapper=offload_and_maybe_resave_param),
+               fingerprints=("0571c85df1e591dc",),  # 5.1.0 .. 5.25.0
+               wrapper=offload_and_maybe_resave_param),
     ),
     upstream=Upstream(
         bug=("https://github.com/huggingface/transformers/issues?q=bitsandbytes+4bit+disk+offload+quant_state",),

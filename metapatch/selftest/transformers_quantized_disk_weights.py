@@ -30,7 +30,7 @@ NUM_LAYERS = 4
 COMBOS = tuple((quant_type, double_quant, compute_dtype)
                for quant_type in ("nf4", "fp4") for double_quant in (True, False)
                for compute_dtype in ("float32", "bfloat16"))
-FIVE = {"transformers": ">=5.0.0.dev0"}  # 4.57 loads offloaded weights on another path (not covered)
+FIVE = {"transformers": ">=5.1.0"}  # 4.57 and 5.0 load offloaded weights on other paths (not covered)
 # Without the patch: the first forward quantizes the checkpoint's tensor on the fly (right); the second puts
 # it into a weight marked quantized: accelerate cannot copy the meta quant state (no bitsandbytes fix), or the
 # 4-bit kernel gets an unpacked tensor (with it), or bitsandbytes asserts on the missing state (CUDA).
