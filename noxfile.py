@@ -61,7 +61,8 @@ ONCE = ["tests/test_pr_checks.py", "tests/test_series_reproducers.py", "tests/te
         "tests/test_sweep.py", "tests/test_flows.py", "tests/patches/test_fsdp_loading.py", "tests/test_forked_ranks.py",
         "tests/patches/test_bnb_cpu_repack.py",
         "tests/test_cli_selftest_doctor.py", "tests/test_run.py", "tests/test_explain.py", "tests/test_cli_pr_pins.py",
-        "tests/test_registry.py", "tests/test_upstream_suites.py", "tests/patches/test_peft_offload_redispatch_tuners.py"]
+        "tests/test_registry.py", "tests/test_upstream_suites.py", "tests/patches/test_peft_offload_redispatch_tuners.py",
+        "tests/test_gpu_lane.py"]
 # The public-report corpus (about 3.5 min per environment) runs on the seed and latest pairs; the
 # Gemma 4 integration pair (5.7) adds nothing to it that those two do not cover.
 NOT_IN = {"gemma4-int": ["tests/reports"]}

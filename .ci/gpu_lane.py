@@ -61,10 +61,14 @@ BNB_LIBRARIES = ("libbitsandbytes_cpu.so", "libbitsandbytes_cuda130.so")  # the 
 # none about the device), and what the earlier steps ran already.
 SUITE_IGNORED = ("tests/test_upstream_suites.py", "tests/test_sweep.py", "tests/test_reproducers.py",
                  "tests/test_series_reproducers.py")
-# The three-way files whose scenarios take the execution device as a parameter (cuda:0 where CUDA is present).
-THREE_WAY = ("tests/patches/test_transformers_quantized_disk_weights.py",)
+# Three-way files run first, on cuda:0 (their scenarios take the execution device as a parameter): the 4-bit
+# flows with layers on cpu and disk, and the model-device flows. The suite step runs the other ones, with the
+# time it has.
+THREE_WAY = ("tests/patches/test_transformers_quantized_disk_weights.py", "tests/patches/test_bnb_offload.py",
+             "tests/patches/test_offloaded_model_device.py", "tests/patches/test_gemma4_offloaded_embeddings.py")
 STEP_CAPS = {"env": 30, "gpu-tests": 75, "selftest": 70, "three-way": 75, "bench": 70}
-RESERVE_S = 12  # kept at the end for the summary and stopping the last step (smoke: 4)
+RESERVE_S = 12  # kept at the end for the summary (smoke: 4)
+STOP_GRACE_S = 10  # between a pytest step's SIGINT at its deadline and the SIGKILL of what is left
 ENV = {"USE_HUB_KERNELS": "0", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
        "PYTHONUNBUFFERED": "1", "METAPATCH_STRICT": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
 
@@ -209,7 +213,12 @@ class Lane:
 
     def timeout_for(self, name: str) -> float:
         cap = STEP_CAPS.get(name, self.args.budget)
-        return max(0.0, min(cap * (0.5 if self.args.smoke else 1.0), self.left()))
+        return max(0.0, min(cap, self.left()))
+
+    def cut_by_budget(self, name: str, timeout: float) -> bool:
+        """Whether a step that timed out was stopped by what was left of the lane's budget rather than by
+        its own cap: then its result is partial, not a failure (the suite step is always time-boxed so)."""
+        return name == "suite" or timeout < STEP_CAPS.get(name, self.args.budget) - 1
 
     def say(self, text: str) -> None:
         stamp = f"[{time.monotonic() - self.started:6.1f}s]"
@@ -220,7 +229,7 @@ class Lane:
     def execute(self, command: Sequence[str], timeout: float, output: Path, env: Optional[Dict[str, str]] = None,
                 graceful: bool = False) -> Dict[str, Any]:
         """Run ``command`` in its own process group, its output appended to ``output``; at ``timeout``
-        SIGINT (``graceful``: pytest then stops and reports) and, 15 s later or at once, SIGKILL the group."""
+        SIGINT (``graceful``: pytest then stops and reports) and, STOP_GRACE_S later or at once, SIGKILL the group."""
         started = time.monotonic()
         with open(output, "a") as sink:
             sink.write(f"\n$ {' '.join(command)}\n")
@@ -235,7 +244,7 @@ class Lane:
                 if graceful:
                     os.killpg(process.pid, signal.SIGINT)
                     try:
-                        process.wait(timeout=min(15.0, max(2.0, self.left() + self.reserve - 2)))
+                        process.wait(timeout=STOP_GRACE_S)
                     except subprocess.TimeoutExpired:
                         pass
                 if process.poll() is None:
@@ -258,12 +267,14 @@ class Lane:
     def skip(self, name: str, why: str) -> None:
         self.record(name, "skipped", note=why, seconds=0)
 
-    def pytest(self, name: str, arguments: Sequence[str], output: Path, workers: int) -> None:
-        timeout = self.timeout_for(name) if name != "suite" else max(0.0, self.left())
+    def pytest(self, name: str, arguments: Sequence[str], output: Path, workers: int,
+               extra_env: Optional[Dict[str, str]] = None) -> None:
+        # the time box, less the grace between SIGINT and SIGKILL: the step ends within its share
+        timeout = (self.timeout_for(name) if name != "suite" else max(0.0, self.left())) - STOP_GRACE_S
         if timeout < 10:
             return self.skip(name, "no time left in the budget")
         report = self.scratch / f"{name}.jsonl"
-        env = dict(self.env, GPU_LANE_REPORT=str(report))
+        env = dict(self.env, GPU_LANE_REPORT=str(report), **(extra_env or {}))
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT / ".ci"), env.get("PYTHONPATH", "")])
         command = [self.python, "-m", "pytest", "-p", "gpu_lane", "-p", "no:cacheprovider", "-q", "-rfE",
                    "-o", "addopts=", *(["-n", str(workers), "--dist", "loadfile"] if workers > 1 else ["-n", "0"])]
@@ -273,8 +284,10 @@ class Lane:
         found = outcomes_of(report)
         counts = found["counts"]
         if ran["timed_out"]:
-            status = "failed" if counts.get("failed") or counts.get("error") else "partial"
-            note = f"stopped at its time box ({timeout:.0f} s): the counts are what finished"
+            cut = self.cut_by_budget(name, timeout + STOP_GRACE_S)
+            status = "failed" if counts.get("failed") or counts.get("error") or not cut else "partial"
+            note = f"stopped at its time box ({timeout:.0f} s): the counts are what finished" if cut else \
+                f"ran past its cap of {STEP_CAPS.get(name)} s"
         elif ran["rc"] in (0, 5) and not counts.get("failed") and not counts.get("error"):
             status = "passed" if counts.get("passed") else "skipped"
             note = "" if counts.get("passed") else "nothing ran"
@@ -318,7 +331,7 @@ class Lane:
 
     def step_env(self) -> None:
         output = self.out / "env.txt"
-        probe = ("import json, platform, torch, importlib.metadata as m\n"
+        probe = ("import metapatch, json, platform, torch, importlib.metadata as m\n"
                  "def v(d):\n    try: return m.version(d)\n    except Exception: return None\n"
                  "cuda = torch.cuda.is_available()\n"
                  "print('LANE-ENV ' + json.dumps({'python': platform.python_version(), 'torch': torch.__version__,"
@@ -326,7 +339,7 @@ class Lane:
                  " 'gpu': torch.cuda.get_device_name(0) if cuda else '', 'transformers': v('transformers'),"
                  " 'accelerate': v('accelerate'), 'peft': v('peft'), 'bitsandbytes': v('bitsandbytes'),"
                  " 'kernels': v('kernels'), 'huggingface_hub': v('huggingface_hub'), 'metapatch': v('metapatch')}))\n"
-                 "import transformers, accelerate, peft, bitsandbytes, metapatch\n"
+                 "import transformers, accelerate, peft, bitsandbytes\n"
                  "print('imports ok: metapatch from', metapatch.__file__)\n")
         if shutil.which("nvidia-smi"):
             self.execute(["nvidia-smi"], 20, output)
@@ -355,11 +368,12 @@ class Lane:
         if timeout < 10:
             return self.skip("selftest", "no time left in the budget")
         output = self.out / "selftest.json"
+        progress = self.scratch / "selftest.err"
         # smoke: one cheap scenario; the lane: every scenario
         selection = ["--scenario", "transformers-quantized-disk-weights/prequantized-checkpoint"] if self.args.smoke else ["--all"]
         command = [self.python, "-m", "metapatch.cli", "selftest", "--json", *selection, "--jobs", str(self.args.jobs)]
         started = time.monotonic()
-        with open(output, "w") as sink, open(self.out / "lane.log", "a") as errors:
+        with open(output, "w") as sink, open(progress, "w") as errors:
             process = subprocess.Popen(command, cwd=str(ROOT), env=self.env, stdout=sink, stderr=errors,
                                        start_new_session=True)
             try:
@@ -369,11 +383,16 @@ class Lane:
                 os.killpg(process.pid, signal.SIGKILL)
                 rc, timed_out = process.wait(), True
         seconds = round(time.monotonic() - started, 1)
+        with open(self.out / "lane.log", "a") as log:
+            log.write(progress.read_text())
         try:
-            report = json.loads(output.read_text())
+            rows = json.loads(output.read_text()).get("rows", [])
         except ValueError:
-            report = {}
-        rows = report.get("rows", [])
+            rows = []
+        if not rows:  # cut short: its JSON is written at the end, its progress lines say what finished
+            rows = selftest_progress(progress.read_text())
+            output.write_text(json.dumps({"rows": rows, "exit_code": None, "timed_out": timed_out,
+                                          "note": "from the progress lines of a run that did not finish"}, indent=1))
         counts: Dict[str, int] = {}
         devices: Dict[str, int] = {}
         for row in rows:
@@ -384,18 +403,23 @@ class Lane:
             if device:
                 devices[str(device)] = devices.get(str(device), 0) + 1
         failures = [f"{row.get('scenario')}: {row.get('verdict')}" for row in rows if not row.get("ok", True)]
-        status = "failed" if (rc != 0 or failures or not rows) else "passed"
-        note = "timed out" if timed_out else f"exit code {rc}"
+        if timed_out and not failures and self.cut_by_budget("selftest", timeout):
+            status, note = "partial", f"cut by the lane's budget after {len(rows)} scenarios ({timeout:.0f} s)"
+        else:
+            status = "failed" if (rc != 0 or failures or not rows) else "passed"
+            note = f"timed out after {len(rows)} scenarios" if timed_out else f"exit code {rc}"
         self.record("selftest", status, counts=counts, devices=devices, failures=failures[:40], seconds=seconds, note=note)
 
     def step_three_way(self) -> None:
         if not self.cuda:
             # The same files on the CPU are part of the suite step (and of CI); here only the cuda:0 leg counts.
             return self.skip("three-way", "no CUDA device (the cpu leg runs in the suite)")
-        selection = [*THREE_WAY]
+        selection = [*THREE_WAY, "-m", "not gpu"]  # the gpu-marked ones ran in their own step
         if self.args.smoke:
             selection += ["-k", "auto-map-disk-layers"]
-        self.pytest("three-way", selection, self.out / "tests.log", workers=8)
+        # one xdist worker per file (loadfile), and within a file its scenario runs started ahead in threads
+        self.pytest("three-way", selection, self.out / "tests.log", workers=len(THREE_WAY),
+                    extra_env={"METAPATCH_TEST_WORKERS": "4"})
 
     def step_bench(self) -> None:
         timeout = self.timeout_for("bench")
@@ -409,9 +433,12 @@ class Lane:
             command += ["--smoke"]
         ran = self.execute(command, timeout, self.out / "lane.log", graceful=False)
         rows = json.loads(output.read_text())["rows"] if output.exists() else []
-        status = "passed" if ran["rc"] == 0 and rows else ("partial" if rows else "failed")
-        self.record("bench", status, seconds=ran["seconds"], rows=rows,
-                    note=("timed out" if ran["timed_out"] else f"exit code {ran['rc']}") + ("" if self.cuda else " (cpu)"))
+        if ran["timed_out"] and self.cut_by_budget("bench", timeout):
+            status, note = "partial", f"cut by the lane's budget ({timeout:.0f} s) after {len(rows)} rows"
+        else:
+            status = "passed" if ran["rc"] == 0 and rows else ("partial" if rows else "failed")
+            note = "timed out" if ran["timed_out"] else f"exit code {ran['rc']}"
+        self.record("bench", status, seconds=ran["seconds"], rows=rows, note=note + ("" if self.cuda else " (cpu)"))
 
     def step_suite(self) -> None:
         ran_three_way = any(s["name"] == "three-way" and s["status"] != "skipped" for s in self.steps)
@@ -454,12 +481,27 @@ class Lane:
             pass
         finally:
             self.write_summary()
-            shutil.rmtree(self.scratch, ignore_errors=True)
         summary = self.summary()
         self.say(f"done in {summary['wall_s']} s: " + (f"FAILED steps: {summary['failed_steps']}" if summary["failed_steps"]
                                                        else "no step failed"))
         print(render_markdown(summary))
+        shutil.rmtree(self.scratch, ignore_errors=True)
         return 1 if summary["failed_steps"] else 0
+
+
+PROGRESS = re.compile(r"^\[(\d+)/(\d+)\] (\S+): (.+?) \(\d+ s\)")
+
+
+def selftest_progress(text: str) -> List[Dict[str, Any]]:
+    """Rows (scenario, verdict, ok) from ``metapatch selftest``'s progress lines on stderr."""
+    rows = []
+    for line in text.splitlines():
+        found = PROGRESS.match(line.strip())
+        if found:
+            verdict = found.group(4)
+            rows.append({"scenario": found.group(3), "verdict": verdict,
+                         "ok": verdict not in ("FAILED", "BUG OUTSIDE GATE")})
+    return rows
 
 
 def git_commit() -> str:
@@ -487,14 +529,15 @@ def render_markdown(summary: Dict[str, Any]) -> str:
         if step.get("devices"):
             counts += " (devices: " + ", ".join(f"{k} {v}" for k, v in sorted(step["devices"].items())) + ")"
         lines.append(f"| {step['name']} | {step['status']} | {counts} | {step.get('seconds', '')} | {step.get('note', '')} |")
+    notes = []
     for step in summary["steps"]:
         for row in step.get("rows") or ():
-            lines.append(f"\n- bench, {row['name']}: upstream {row['upstream']:.2f} ms, metapatch {row['metapatch']:.2f} ms, "
+            notes.append(f"- bench, {row['name']}: upstream {row['upstream']:.2f} ms, metapatch {row['metapatch']:.2f} ms, "
                          f"ratio {row['ratio']:.3f} (spread {row['spread'][0]:.3f}-{row['spread'][1]:.3f}, {row['rounds']} rounds)"
                          + (f"; upstream fails: {row['upstream_error']}" if row.get("upstream_error") else ""))
         if step.get("failures"):
-            lines.append(f"\n- {step['name']} failures: " + "; ".join(step["failures"][:10]))
-    return "\n".join(lines)
+            notes.append(f"- {step['name']} failures: " + "; ".join(step["failures"][:10]))
+    return "\n".join(lines + ([""] + notes if notes else []))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

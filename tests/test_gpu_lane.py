@@ -35,7 +35,7 @@ def test_cpu_dry_run_reports_gpu_steps_skipped_and_fits_its_budget(tmp_path):
     out = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if not k.startswith("METAPATCH_")}
     env["CUDA_VISIBLE_DEVICES"] = ""  # the dry run's meaning must not depend on the machine
-    budget = 75
+    budget = 58
     run = subprocess.run([sys.executable, str(SCRIPT), "run", "--dry-run", "--smoke", "--wheels", str(tmp_path / "none"),
                           "--out", str(out), "--budget", str(budget), "--workers", "1"],
                          cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=budget + 60)
@@ -48,10 +48,14 @@ def test_cpu_dry_run_reports_gpu_steps_skipped_and_fits_its_budget(tmp_path):
     for gpu_only in ("gpu-tests", "three-way"):
         assert steps[gpu_only]["status"] == "skipped" and "CUDA" in steps[gpu_only]["note"]
     assert steps["env"]["status"] == "passed"
-    assert steps["selftest"]["status"] == "passed" and steps["selftest"]["counts"], steps["selftest"]
-    # A slow machine may leave the last steps no time: then they say so, and never claim a pass.
-    for name in ("bench", "suite"):
-        assert steps[name]["status"] == "passed" or steps[name]["note"] == "no time left in the budget", steps[name]
+    # A loaded machine may cut the later steps by the budget: then they say so (partial, or skipped for want of
+    # time), and never claim a pass they did not earn.
+    for name in ("selftest", "bench", "suite"):
+        step = steps[name]
+        assert step["status"] == "passed" or "budget" in step["note"], step
+        assert step["status"] in ("passed", "partial", "skipped"), step
+    if steps["selftest"]["status"] == "passed":
+        assert steps["selftest"]["counts"] == {"fixed": 1}, steps["selftest"]
     if steps["bench"]["status"] == "passed":
         assert steps["bench"]["rows"][0]["name"].startswith("forward") and json.loads((out / "bench.json").read_text())
     if steps["suite"]["status"] == "passed":
@@ -109,3 +113,14 @@ def test_summary_markdown_names_the_run():
     assert text.startswith("### 2026-12-04 20:00 UTC: NVIDIA H200 (gpu)")
     assert "| selftest | passed | fixed 60 (devices: cuda:0 50) | 30 |" in text
     assert "301.5 s of a 330 s budget; no step failed" in text
+
+
+def test_selftest_progress_lines_count_a_run_cut_short():
+    text = ("metapatch selftest: warm parents ready in 18 s\n"
+            "[1/63] a/x: FAILED (1 s) [0:01 elapsed, about 0:47 left]\n"
+            "[2/63] b/y: fixed (0 s) [0:01 elapsed]\n"
+            "[3/63] c/z: n/a (needs transformers<5.0.0.dev0 (installed: transformers 5.25.0)) (0 s) [0:05 elapsed]\n")
+    rows = lane.selftest_progress(text)
+    assert [(r["scenario"], r["verdict"], r["ok"]) for r in rows] == [
+        ("a/x", "FAILED", False), ("b/y", "fixed", True),
+        ("c/z", "n/a (needs transformers<5.0.0.dev0 (installed: transformers 5.25.0))", True)]

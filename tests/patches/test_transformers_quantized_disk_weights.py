@@ -9,7 +9,8 @@ import pytest
 from metapatch.diffs import diffs_for
 from metapatch.patches.bnb_cpu_repack_copy import PATCH as REPACK_PATCH
 from metapatch.patches.bnb_quant_state_offload import PATCH as QUANT_STATE_PATCH
-from metapatch.patches.transformers_quantized_disk_weights import PATCH, _entry, _main_device
+from metapatch.patches.transformers_quantized_disk_weights import (PATCH, _FINAL_MAPS, _entry, _main_device,
+                                                                  bnb4bit_quantize_convert, validate_environment)
 from tests.patches._three_way import ThreeWayCase
 
 
@@ -57,3 +58,48 @@ def test_entry_is_the_longest_matching_module_prefix():
     assert _entry(device_map, "model.layers.10.mlp.up_proj.weight") == "cpu"
     assert _entry(device_map, "model.layers.11.mlp.up_proj.weight") == 0
     assert _entry({"": "disk"}, "lm_head.weight") == "disk"
+
+
+class _Quantizer:  # stands in for transformers' quantizer: the wrappers only key a weak map on it
+    pass
+
+
+def test_final_map_is_recorded_only_where_it_offloads():
+    quantizer = _Quantizer()
+    validate_environment(lambda *a, **k: None, quantizer, (), {"device_map": "auto"})
+    assert quantizer not in _FINAL_MAPS
+    validate_environment(lambda *a, **k: None, quantizer, (), {"device_map": {"": 0, "model.layers.1": "disk"}})
+    assert _FINAL_MAPS[quantizer] == {"": 0, "model.layers.1": "disk"}
+    validate_environment(lambda *a, **k: None, quantizer, (), {"device_map": {"": 0}})
+    assert quantizer not in _FINAL_MAPS
+
+
+def test_quantization_op_moves_offloaded_weights_to_the_main_device_and_back(monkeypatch):
+    """The path only a GPU map takes, with the CPU standing in for the accelerator: the op gets the offloaded
+    weight on the main device, and its quantized result comes back on the cpu, still naming its module."""
+    torch = pytest.importorskip("torch")
+    bnb = pytest.importorskip("bitsandbytes")
+    from metapatch.patches import transformers_quantized_disk_weights as patch
+
+    layer = bnb.nn.Linear4bit(64, 64, bias=False, quant_type="nf4")
+    op = type("Op", (), {"hf_quantizer": _Quantizer()})()
+    patch._FINAL_MAPS[op.hf_quantizer] = {"model.layers.0": 0, "model.layers.1": "disk"}
+    moved_to = []
+    original_to = patch._to
+    monkeypatch.setattr(patch, "_to", lambda value, device: moved_to.append(device) or original_to(value, device))
+    monkeypatch.setattr(patch, "_main_device", lambda device_map: torch.device("cpu"))
+
+    def convert(input_dict, full_layer_name=None, model=None, **kwargs):  # what transformers' op returns
+        (value,) = input_dict[full_layer_name]  # a list of one tensor, as the loader collects it
+        return {full_layer_name: bnb.nn.Params4bit(value, requires_grad=False, quant_type="nf4", module=layer).to("cpu")}
+
+    weight = torch.randn(64, 64)
+    kept = bnb4bit_quantize_convert(convert, op, ({"model.layers.1.q.weight": [weight]},),
+                                    {"full_layer_name": "model.layers.1.q.weight", "model": None})
+    value = kept["model.layers.1.q.weight"]
+    assert set(moved_to) == {torch.device("cpu")} and value.bnb_quantized and value.module is layer
+    assert value.device.type == "cpu" and value.quant_state.absmax.device.type == "cpu"
+    moved_to.clear()  # a weight the map keeps on the main device is quantized where it is, untouched
+    bnb4bit_quantize_convert(convert, op, ({"model.layers.0.q.weight": [weight]},),
+                             {"full_layer_name": "model.layers.0.q.weight", "model": None})
+    assert moved_to == []
