@@ -26,7 +26,7 @@ nox.options.reuse_existing_virtualenvs = True
 # The matrix is metapatch's own data (metapatch pins reads it too), loaded without importing the
 # package: nox runs in an interpreter that has none of metapatch's dependencies.
 TESTED = runpy.run_path("metapatch/tested_versions.py")
-NAMES = {("5.11.0", "1.13.0"): "seed", ("5.7.0", "1.13.0"): "gemma4-int", ("5.24.0", "1.15.0"): "latest"}
+NAMES = {("5.11.0", "1.13.0"): "seed", ("5.7.0", "1.13.0"): "gemma4-int", ("5.25.0", "1.16.0"): "latest"}
 MATRIX = {NAMES.get(pair, "t{}-a{}".format(*pair)): {"transformers": pair[0], "accelerate": pair[1]}
           for pair in TESTED["PAIRS"]}
 TORCH = f"torch=={TESTED['COMMON']['torch']}"  # pinned everywhere: an open range pulls a multi-GB CUDA build
@@ -59,8 +59,10 @@ TEST_TOOLS = ["safetensors", "pytest>=8", "pytest-xdist", "hypothesis>=6", "para
 ONCE = ["tests/test_pr_checks.py", "tests/test_series_reproducers.py", "tests/test_reproducers.py",
         "tests/test_diffs_run_real.py",
         "tests/test_sweep.py", "tests/test_flows.py", "tests/patches/test_fsdp_loading.py", "tests/test_forked_ranks.py",
+        "tests/test_selftest_device.py",
         "tests/patches/test_bnb_cpu_repack.py",
-        "tests/test_cli_selftest_doctor.py", "tests/test_run.py", "tests/test_explain.py", "tests/test_cli_pr_pins.py",
+        "tests/test_cli_selftest_doctor.py", "tests/test_run.py", "tests/test_run_report.py", "tests/test_explain.py",
+        "tests/test_cli_pr_pins.py", "tests/test_cli_errors.py",
         "tests/test_registry.py", "tests/test_upstream_suites.py", "tests/patches/test_peft_offload_redispatch_tuners.py",
         "tests/test_gpu_lane.py"]
 # The public-report corpus (about 3.5 min per environment) runs on the seed and latest pairs; the

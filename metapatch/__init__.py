@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Iterable, List, Optional
 
+from . import _firing
 from ._records import MetapatchError, MetapatchWarning, Patch, State, Target, Upstream
 from ._registry import Registry, lazy_patches
 
@@ -59,3 +60,5 @@ def diagnose(model: Any) -> Any:
 
 
 install()
+if _firing.enabled():  # METAPATCH_DEBUG=1: which patches ran, at exit
+    _firing.report_at_exit(registry)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Iterable, List, Optional, Tuple
 
+from . import _firing
 from ._gate import Gate
 from ._records import Patch, State
 from ._sites import PatchStatus, Planned, conflict_reason
@@ -33,7 +34,9 @@ def plan(patch: Patch, module: Any, status: PatchStatus, gate: Gate) -> Tuple[Li
         if owner is not None:
             return plan, (State.CONFLICT, conflict_reason(target, owner))
         site = status.sites.get(target.dotted)
-        if site is not None and site.parent is parent and site.holds_installed():
+        # In place, itself or under other metapatch patches that wrapped it since (a second patch of one target
+        # without a declared order): planning it again would wrap the target twice.
+        if site is not None and site.parent is parent and site.stacked_above() is not None:
             continue
         marker = getattr(current, MARKER, None)
         if marker is not None and marker[0] == patch.id:
@@ -49,12 +52,17 @@ def plan(patch: Patch, module: Any, status: PatchStatus, gate: Gate) -> Tuple[Li
                           f"{target.dotted} changed upstream (source fingerprint {found}, patch written for "
                           f"{', '.join(target.fingerprints)}); skipped rather than patched blindly")
         try:
+            counting = _firing.enabled()  # METAPATCH_DEBUG=1: each call counted for the report at exit
             if target.wrapper is not None:
                 import wrapt
 
-                installed = wrapt.FunctionWrapper(current, target.wrapper)
+                wrapper = (_firing.counting_wrapper(patch.id, target.dotted, target.wrapper) if counting
+                           else target.wrapper)
+                installed = wrapt.FunctionWrapper(current, wrapper)
             else:
                 installed = target.replacement(current)
+                if counting:
+                    installed = _firing.counted_replacement(patch.id, target.dotted, installed, MARKER)
             setattr(installed, MARKER, (patch.id, target.dotted, current))
         except Exception as exc:
             return plan, (State.FAILED, f"{type(exc).__name__}: {exc}")

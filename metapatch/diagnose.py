@@ -198,11 +198,14 @@ def offloaded_info(model: Any, covered: set, offloaded: Mapping[str, Any]) -> Op
     for root in roots:
         owner = next((offloaded[m] for m in offloaded if root == "(model)" or m == root or m.startswith(root + ".")), None)
         storage[root] = _storage(owner) if owner is not None else places[0]
+    # Counted as the user placed them (the map's entries: "model.layers.1"), not accelerate's hooks (one per
+    # leaf module holding weights).
+    listed = [f"{root} ({storage[root]})" for root in roots] or _collapse(offloaded)
     finding = Finding(
         "offloaded", INFO,
-        f"{len(offloaded)} module(s) keep their weights on {' and '.join(places)} and load them for each "
-        "forward pass (expected with device_map offload)",
-        [f"{root} ({storage[root]})" for root in roots] or _collapse(offloaded),
+        f"{len(listed)} module(s) ({len(covered)} tensors) keep their weights on {' and '.join(places)} and load "
+        "them for each forward pass (expected with device_map offload)",
+        listed,
         fix=("do not move this model with .to()/.cuda(); move only the inputs. For speed, give the GPU(s) more "
              "max_memory or use a smaller dtype/quantization"))
     return with_patch(finding)

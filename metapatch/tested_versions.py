@@ -15,7 +15,7 @@ COMMON = {
 PAIRS = (
     ("5.11.0", "1.13.0"),
     ("5.7.0", "1.13.0"),
-    ("5.24.0", "1.15.0"),
+    ("5.25.0", "1.16.0"),
 )
 
 MATRIX = tuple(
@@ -38,14 +38,15 @@ PYTHON_WINDOW = ">=3.9,<3.14"  # the framework and CLI; the heavy stack where it
 # Stacks between and before the matrix pairs that CI checks with a short gate (strict
 # `metapatch status --import-targets` and `metapatch selftest --json`), so that the window is
 # exercised beyond the three full-suite pairs: the oldest supported releases, an early 5.x, a
-# middle 5.x and the newest accelerate. torch is COMMON["torch"] everywhere.
+# middle 5.x and the previous latest pair (the releases before the newest). torch is COMMON["torch"]
+# everywhere.
 GATE_STACKS = {
     "oldest": {"transformers": "4.57.1", "accelerate": "1.10.0", "peft": "0.17.0", "bitsandbytes": "0.46.1"},
     "early5": {"transformers": "5.2.0", "accelerate": "1.11.0", "peft": "0.18.0", "bitsandbytes": "0.47.0"},
     "mid": {"transformers": "5.17.0", "accelerate": "1.14.0", "peft": "0.19.1", "bitsandbytes": "0.49.2"},
-    # The newest accelerate, released after the latest pair was fixed: every patch on it, with the latest
-    # transformers pip can install here (5.25.0 needs kernels 0.19.1, absent from PyPI's index here).
-    "newest": {"transformers": "5.24.0", "accelerate": "1.16.0", "peft": "0.21.2", "bitsandbytes": "0.50.2"},
+    # The pair before the latest one: users upgrade one package at a time, and accelerate 1.15 still has bugs
+    # (the meta-pointer cache, the all-disk map) that 1.16 does not.
+    "previous": {"transformers": "5.24.0", "accelerate": "1.15.0", "peft": "0.21.2", "bitsandbytes": "0.50.2"},
 }
 
 # Python versions the framework and CLI are tested on without the heavy stack.

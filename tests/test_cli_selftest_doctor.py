@@ -59,18 +59,65 @@ def test_selftest_json_on_the_failing_scenario():
 def test_selftest_table_names_every_column():
     proc = _cli("selftest", "--scenario", "moves-that-keep-working")
     lines = proc.stdout.splitlines()
-    assert lines[0].split() == ["SCENARIO", "AFFECTED", "UNPATCHED", "PATCHED", "SECONDS", "VERDICT"]
+    assert lines[0].split() == ["SCENARIO", "AFFECTED", "UNPATCHED", "PATCHED", "DEVICE", "SECONDS", "VERDICT"]
     row = next(line for line in lines if line.startswith("offloaded-move-guard/moves-that-keep-working"))
     assert "passes" in row and "pass, max diff 0" in row and ("yes" in row or "no" in row)
-    seconds = float(row.split("]")[-1].split()[0])
-    assert seconds > 0
+    from metapatch.selftest import _device
+
+    device, seconds = row.split("]")[-1].split()[:2]
+    assert device == _device.choose(_device.requested(os.environ.get(_device.DEVICE_ENV)), _device.visible_cuda_devices())
+    assert float(seconds) > 0
     assert lines[-1].startswith("1 scenarios in") and "fixes every affected scenario" in lines[-1]
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
 
 
 def test_selftest_unknown_selection_is_an_error():
     proc = _cli("selftest", "--patch", "no-such-patch")
-    assert proc.returncode == 2 and "no scenario matches --patch no-such-patch" in proc.stderr
+    assert proc.returncode == 2 and "unknown patch id(s) no-such-patch" in proc.stderr
+    proc = _cli("selftest", "--patch", "offloaded-move-gard")
+    assert proc.returncode == 2 and "did you mean" in proc.stderr and "offloaded-move-guard" in proc.stderr
+    proc = _cli("selftest", "--scenario", "no-such-scenario")
+    assert proc.returncode == 2 and "no scenario matches --scenario no-such-scenario" in proc.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--jobs", "0"), "--jobs 0: give at least 1"),
+    (("--timeout", "0"), "--timeout 0: give a positive number"),
+])
+def test_selftest_rejects_bad_numbers(args, message):
+    proc = _cli("selftest", *args)
+    assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_a_timeout_is_reported_as_a_timeout_not_as_a_failure_to_fix():
+    row = selftest.Row("p/s", "p", "", True, "gate", expected_error="KeyError")
+    row.unpatched = {"passed": False, "error_type": "TimeoutExpired", "error": "no result after 5.0 s"}
+    row.patched = {"passed": True, "error_type": None}
+    row = selftest.judge(row)
+    assert (row.verdict, row.ok) == ("TIMED OUT (no result after 5.0 s)", False)
+    line = selftest.summary_line([row], 6)
+    assert "timed out (no result, so no verdict): p/s" in line and "NOT fixed" not in line and "1 timed out" in line
+    assert selftest.exit_code([row]) == 1
+
+
+def test_nothing_ran_is_said_and_exits_1():
+    rows = [selftest.Row("p/s", "p", "", False, "transformers is not installed", {"transformers": None},
+                         verdict="skipped"),
+            selftest.Row("q/s", "q", "", None, "", not_applicable="needs x", verdict="n/a (needs x)")]
+    assert selftest.nothing_ran(rows) and selftest.exit_code(rows) == 1
+    line = selftest.summary_line(rows, 0)
+    assert "NOTHING RAN" in line and "not installed: transformers" in line and "fixes every" not in line
+    ran = rows + [selftest.judge(_row(True, "E", False, True))]
+    assert not selftest.nothing_ran(ran) and selftest.exit_code(ran) == 0
+
+
+def test_every_patch_has_a_scenario_of_its_own_and_one_without_is_named():
+    assert selftest.without_scenarios(metapatch.registry, all_scenarios()) == []
+
+    class Registry:
+        patches = {"has-one": None, "has-none": None}
+
+    assert selftest.without_scenarios(Registry(), [Scenario("has-one", "s", "m:f")]) == ["has-none"]
 
 
 def test_selection_by_patch_and_slow_flag():
@@ -105,6 +152,50 @@ def test_verdicts_and_exit_code(affected, expected, unpatched, patched, verdict,
     row = _row(affected, expected, unpatched, patched)
     assert (row.verdict, row.ok) == (verdict, ok)
     assert selftest.exit_code([_row(True, "E", False, True), row]) == (0 if ok else 1)
+
+
+def test_a_declared_upstream_pass_is_no_missing_reproduction():
+    """Where the scenario declares that upstream passes on the installed releases (an ``Expect("")``), an
+    unpatched pass is "passes", not "not reproduced"; where it declares an error, it stays "not reproduced"."""
+    row = selftest.Row("p/s", "p", "", True, "gate", expected_error="RuntimeError", declared_unpatched="")
+    row.unpatched = {"passed": True, "error_type": None}
+    row.patched = {"passed": True, "error_type": None, "max_abs_diff": 0.0}
+    assert (selftest.judge(row).verdict, row.ok) == ("passes", True)
+    row.declared_unpatched = "RuntimeError"
+    assert selftest.judge(row).verdict == "not reproduced"
+
+
+def test_a_bug_path_this_machine_does_not_take_is_not_applicable():
+    """A scenario whose unpatched run passed because the bug's code path is not taken here says why
+    (``not_reproducible_here``): n/a with that reason, exit code unchanged; a failing patched run still fails."""
+    row = selftest.Row("p/s", "p", "", True, "gate", expected_error="AssertionError", declared_unpatched="AssertionError")
+    row.unpatched = {"passed": True, "error_type": None, "metrics": {"not_reproducible_here": "no AVX512-BF16"}}
+    row.patched = {"passed": True, "error_type": None, "max_abs_diff": 0.0}
+    assert (selftest.judge(row).verdict, row.ok, row.not_applicable) == ("n/a (no AVX512-BF16)", True, "no AVX512-BF16")
+    row.patched = {"passed": False, "error_type": "AssertionError", "error": "x", "traceback_tail": ""}
+    row.not_applicable = None
+    assert (selftest.judge(row).verdict, row.ok) == ("FAILED", False)
+
+
+def test_a_misspelt_device_is_one_clear_line(monkeypatch, capsys):
+    monkeypatch.setenv("METAPATCH_SELFTEST_DEVICE", "gpu0")
+    parser = argparse.ArgumentParser()
+    selftest.add_arguments(parser)
+    assert selftest.run(parser.parse_args([])) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "metapatch selftest: METAPATCH_SELFTEST_DEVICE='gpu0': expected cpu, cuda, cuda:N or auto"
+
+
+def test_rows_record_the_device_and_the_pin():
+    from metapatch.selftest import Outcome
+
+    row = selftest.Row("p/s", "p", "", True, "gate", expected_error="E")
+    unpatched = Outcome("p/s", False, False, "E", "x", device="cpu", device_note="two ranks over gloo")
+    patched = Outcome("p/s", True, True, metrics={"max_abs_diff": 0.0}, device="cpu", device_note="two ranks over gloo")
+    row = selftest.finish_row(row, unpatched, patched, 1.0)
+    assert (row.device, row.device_note, row.verdict) == ("cpu", "two ranks over gloo", "fixed")
+    assert selftest.cells(row)[4] == "cpu*" and "    cpu*: two ranks over gloo" in selftest.format_details(row)
+    assert selftest.summary_line([row], 1.0).endswith("Computed on cpu (pinned): 1.")
 
 
 # -- n/a: a scenario whose model class is missing -------------------------------------------------
@@ -187,7 +278,7 @@ def test_selftest_json_reports_na_with_its_own_status(synthetic, monkeypatch, ca
     assert row["not_applicable"] == "needs transformers >= 99.0 (ImaginaryForCausalLM)"
     assert row["ok"] is True and row["patched"] is None  # the patched run is not needed
     assert row["unpatched"]["not_applicable"] == row["not_applicable"] and not row["unpatched"]["passed"]
-    assert code == data["exit_code"] == 0
+    assert data["nothing_ran"] is True and code == data["exit_code"] == 1  # nothing was checked
 
 
 def _renamed(scenario, patch_id):
@@ -315,6 +406,70 @@ def test_doctor_rejects_bad_arguments(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     proc = _cli("doctor", str(tmp_path), "--device-map", "{not json")
     assert proc.returncode == 2 and "--device-map is not valid JSON" in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def other_checkpoints(tmp_path_factory):
+    """A tiny T5 (encoder-decoder) and a tiny Llama sequence classifier."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    root = tmp_path_factory.mktemp("doctor-kinds")
+    torch.manual_seed(0)
+    t5 = transformers.T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_decoder_layers=1,
+                               num_heads=2, decoder_start_token_id=0, pad_token_id=0)
+    transformers.T5ForConditionalGeneration(t5).save_pretrained(root / "t5")
+    llama = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                     num_attention_heads=2, num_key_value_heads=1, pad_token_id=0, num_labels=3)
+    transformers.LlamaForSequenceClassification(llama).save_pretrained(root / "cls")
+    return root
+
+
+@pytest.mark.parametrize("kind, device_map, shape", [
+    ("t5", {"shared": "cpu", "encoder": "disk", "decoder": "cpu", "lm_head": "cpu"}, [1, 1, 64]),
+    ("cls", {"model.embed_tokens": "cpu", "model.layers": "disk", "model.norm": "cpu", "model.rotary_emb": "cpu",
+             "score": "cpu"}, [1, 3]),
+])
+def test_doctor_runs_encoder_decoder_and_classification_models(other_checkpoints, tmp_path, kind, device_map, shape):
+    proc = _cli("doctor", str(other_checkpoints / kind), "--device-map", json.dumps(device_map),
+                "--offload-folder", str(tmp_path / "offload"), "--json")
+    data = json.loads(proc.stdout)
+    assert data["forward"]["ran"], data["forward"]
+    assert data["forward"]["shape"] == shape and data["forward"]["finite"]
+    assert data["ok"] is True and proc.returncode == 0, proc.stderr[-2000:]
+    (offloaded,) = [f for f in data["report"]["findings"] if f["code"] == "offloaded"]
+    # counted as placed: the map's disk entry, not accelerate's hooks on its leaf modules
+    modules, tensors = offloaded["summary"].split(" module(s) (")
+    assert int(modules) == len(offloaded["items"]) and all(item.endswith("(disk)") for item in offloaded["items"])
+    assert int(tensors.split()[0]) > int(modules)  # the tensors are counted apart
+    if kind == "t5":  # the text report ends with the verdict, after the forward pass it covers
+        text = _cli("doctor", str(other_checkpoints / kind), "--device-map", json.dumps(device_map),
+                    "--offload-folder", str(tmp_path / "offload-text"))
+        assert text.stdout.rstrip().endswith("verdict: ok") and "forward pass: ok" in text.stdout
+
+
+def test_doctor_verdict_follows_a_failed_forward():
+    from metapatch.diagnose import Report
+
+    forward = {"ran": False, "error_type": "ValueError", "error": "boom"}
+    assert doctor.verdict_text(Report("M", {}, True), forward) == "  verdict: problems found: the forward pass failed"
+    assert not doctor.forward_ok(forward) and doctor.forward_ok(None) and doctor.forward_ok({"skipped": "no ids"})
+
+
+@pytest.mark.parametrize("make_args, message", [
+    (lambda ck, tmp: ["--device-map", '{"model.nonexistent": "cpu"}'], "names 1 module(s) LlamaForCausalLM does not have"),
+    (lambda ck, tmp: ["--device-map", str(tmp / "missing.json")], "missing.json: no such file"),
+    (lambda ck, tmp: ["--device-map", "sideways"], "is none of auto"),
+    (lambda ck, tmp: ["--device-map", '{"model": "cuda:7"}'], "is not on this machine"),
+    (lambda ck, tmp: ["--dtype", "float17"], "is not a torch dtype"),
+    (lambda ck, tmp: ["--max-memory", "cpu=lots"], "is not a size"),
+    (lambda ck, tmp: ["--offload-folder", str(ck / "config.json")], "is not a folder"),
+])
+def test_doctor_bad_input_is_one_line_and_exit_2(checkpoint, tmp_path, make_args, message):
+    proc = _cli("doctor", str(checkpoint), *make_args(checkpoint, tmp_path))
+    assert proc.returncode == 2, proc.stdout + proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("metapatch doctor:")]
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in proc.stderr, proc.stderr[-2000:]
 
 
 def test_argument_parsers():

@@ -329,7 +329,7 @@ def test_diffs_check_with_no_diffs_and_unknown_ids(diffs_root, use_registry, cap
     use_registry(fake_patch(diff_paths=()))
     assert run_check(capsys) == (0, {"ok": True, "consistent": True, "diffs": []})
     assert cli_main(["diffs", "check", "no-such-patch"]) == 2
-    assert "unknown patch id" in capsys.readouterr().out
+    assert "unknown patch id" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------

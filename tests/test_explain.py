@@ -1,8 +1,11 @@
-"""`metapatch explain` on real tracebacks: each is captured by running a corpus reproducer without
-metapatch (METAPATCH_DISABLE=all) on the installed stack, then fed to the command."""
+"""`metapatch explain` on real tracebacks: corpus reproducers run without metapatch (METAPATCH_DISABLE=all) on
+the installed stack, and the user flows of tests/explain/flows (saved by tests/explain/capture.py, run the
+same way), fed to the command."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -43,7 +46,8 @@ def test_explain_names_the_patch_and_the_report(report_id: str, patch_id: str, t
 
     done = explain(unpatched_traceback(report_id), tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.startswith(f"patch {patch_id}:"), done.stdout  # the best match comes first
+    first = next(line for line in done.stdout.splitlines() if line.startswith("1. patch "))
+    assert first.startswith(f"1. patch {patch_id} (most likely)"), done.stdout  # the best match comes first
     same_mechanism = [r.url for r in reports() if r.patch == patch_id]
     assert any(url in done.stdout for url in same_mechanism), done.stdout
     assert "import metapatch" in done.stdout and "state here:" in done.stdout, done.stdout
@@ -74,3 +78,89 @@ def test_explain_reads_stdin(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "metapatch", "explain", "-"], input=unrelated.stderr, cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "no match" in done.stdout
+
+
+# -- ranking on user flows ------------------------------------------------------------------------------
+
+TRACEBACKS = REPO / "tests" / "explain" / "tracebacks"
+# flow -> the patch that fixes it (each flow passes with metapatch: `metapatch run tests/explain/flows/<flow>.py`)
+FIRST = {
+    "inputs_to_model_device": "offloaded-model-device",  # model(ids.to(model.device)), the embedding on disk
+    "generate_to_model_device": "offloaded-model-device",
+    "tied_map_split": "tied-device-map-transformers",  # an explicit map splitting a tied pair
+    "to_float16": "offloaded-dtype-conversion",  # model.to(torch.float16)
+    "submodule_to_cpu": "offloaded-move-guard",
+    "resize_offloaded_embeddings": "offloaded-resize-token-embeddings",
+    "tied_init_empty_dispatch": "accelerate-tie-before-load",
+}
+
+
+def test_every_saved_traceback_has_an_expected_patch() -> None:
+    assert sorted(p.stem for p in TRACEBACKS.glob("*.txt")) == sorted(FIRST)
+
+
+@pytest.mark.parametrize("flow", sorted(FIRST))
+def test_the_fixing_patch_ranks_first_with_its_evidence(flow: str) -> None:
+    from metapatch.commands import explain as command
+
+    found = command.match((TRACEBACKS / f"{flow}.txt").read_text())
+    first = found["candidates"][0]
+    assert first.patch == FIRST[flow], [(c.patch, c.score, c.reasons) for c in found["candidates"]]
+    assert first.reasons and all(isinstance(r, str) and r for r in first.reasons)
+    scores = [c.score for c in found["candidates"]]
+    assert scores == sorted(scores, reverse=True)
+    if len(scores) > 1:
+        assert scores[0] > scores[1], "the first patch must be ranked, not tied"
+
+
+def test_json_output_ranks_candidates_with_reasons_and_evidence(tmp_path: Path) -> None:
+    done = _cli("explain", str(TRACEBACKS / "to_float16.txt"), "--json")
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    assert data["match"] is True and data["error_type"] == "RuntimeError"
+    assert data["user_line"]["source"] == "model = model.to(torch.float16)"
+    assert [c["rank"] for c in data["candidates"]] == list(range(1, len(data["candidates"]) + 1))
+    top = data["candidates"][0]
+    assert top["patch"] == "offloaded-dtype-conversion" and top["state"] and top["reasons"]
+    assert any("converts the model's dtype" in reason for reason in top["reasons"])
+
+
+def _cli(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "metapatch", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, **kwargs)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda tmp: tmp / "nope.txt", "nope.txt: no such file"),
+    (lambda tmp: tmp, "is a folder"),
+    (lambda tmp: (tmp / "empty.txt", (tmp / "empty.txt").write_text("  \n"))[0], "is empty"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, make, message: str) -> None:
+    done = _cli("explain", str(make(tmp_path)))
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_a_terminal_on_stdin_is_never_waited_on_silently() -> None:
+    import pty
+
+    controller, terminal = pty.openpty()
+    try:
+        done = _cli("explain", stdin=terminal)
+    finally:
+        os.close(terminal)
+        os.close(controller)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "no traceback given" in done.stderr and "metapatch explain -" in done.stderr
+
+
+def test_a_closed_output_pipe_is_no_traceback() -> None:
+    reader, writer = os.pipe()
+    os.close(reader)  # the reader is gone before anything is written (`| head -1` once it has its line)
+    try:
+        done = subprocess.run([sys.executable, "-m", "metapatch", "explain", str(TRACEBACKS / "to_float16.txt")],
+                              cwd=REPO, stdout=writer, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(writer)
+    assert done.returncode == 141 and "Error" not in done.stderr, done.stderr

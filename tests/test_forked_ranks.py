@@ -1,7 +1,9 @@
 """Ranks forked from the caller (metapatch.selftest._ranks): they form one real gloo group, start from a
 fresh interpreter's process-wide state, are killed at the deadline, and fall back to fresh interpreters
-where a fork would not be safe. Each case runs in a subprocess of its own, since a pytest(-xdist) worker
-has threads of its own and so never forks its ranks."""
+where a fork would not be safe (CUDA touched in the caller among them). Each case runs in a subprocess of
+its own, since a pytest(-xdist) worker has threads of its own and so never forks its ranks. The callers
+start with CUDA hidden, as a scenario pinned to the CPU does, so the fork mechanics are the same on a GPU
+machine; the ranks themselves always get CUDA hidden (gloo on the CPU)."""
 
 from __future__ import annotations
 
@@ -34,7 +36,8 @@ def _group_rank(rank, world_size, workdir):
     dist.all_reduce(value)
     return {"sum": float(value), "cwd": os.getcwd(), "mark": CALLER_MARK, "env_rank": os.environ["RANK"],
             "num_processes": accelerator.num_processes, "process_index": accelerator.process_index,
-            "threads": threading.active_count(), "draw": float(torch.rand(1))}
+            "threads": threading.active_count(), "draw": float(torch.rand(1)),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "cuda": torch.cuda.is_available()}
 
 
 def _sleeping_rank(rank, world_size, workdir):
@@ -55,7 +58,9 @@ def _run(body: str, tmp_path: Path, **env: str) -> dict:
         here.CALLER_MARK = "caller"
         workdir = {str(tmp_path)!r}
     """) + textwrap.dedent(body) + "\nprint(json.dumps(out))\n"
-    child_env = dict(os.environ, OMP_NUM_THREADS="1", **env)
+    from metapatch.selftest._device import HIDDEN_CUDA
+
+    child_env = dict(os.environ, OMP_NUM_THREADS="1", **{**HIDDEN_CUDA, **env})
     # A rank started as a fresh interpreter imports this module by name.
     child_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
     child_env.pop("METAPATCH_DISABLE", None)
@@ -78,6 +83,7 @@ def test_forked_ranks_form_one_group_from_fresh_state(tmp_path):
     results = out["reports"]
     assert all("sum" in r for r in results), results
     assert [r["mark"] for r in results] == ["caller", "caller"]  # forked, not fresh interpreters
+    assert [(r["cuda_visible_devices"], r["cuda"]) for r in results] == [("", False), ("", False)]
     assert [r["sum"] for r in results] == [3.0, 3.0]
     assert [r["env_rank"] for r in results] == ["0", "1"]
     assert [(r["num_processes"], r["process_index"]) for r in results] == [(2, 0), (2, 1)]
@@ -107,6 +113,21 @@ def test_ranks_start_fresh_interpreters_where_forking_is_off_or_unsafe(tmp_path)
         out = _can_fork()
     """, tmp_path)
     assert threads is False
+
+
+def test_ranks_never_fork_from_a_caller_that_touched_cuda(tmp_path):
+    """A caller in which CUDA was initialised (simulated: what the fork rule reads) starts fresh interpreters,
+    and every rank runs with CUDA hidden even where the caller sees a GPU."""
+    out = _run("""
+        reports = run_ranks("test_forked_ranks:_group_rank", workdir)
+        out = {"forked": _can_fork(), "results": [r.get("result") or r for r in reports]}
+    """, tmp_path, METAPATCH_SELFTEST_SIMULATE_CUDA="initialised", CUDA_VISIBLE_DEVICES="0",
+        PYTORCH_NVML_BASED_CUDA_CHECK="")
+    assert out["forked"] is False
+    results = out["results"]
+    assert [r["mark"] for r in results] == [None, None], results  # fresh interpreters
+    assert [r["sum"] for r in results] == [3.0, 3.0]
+    assert [(r["cuda_visible_devices"], r["cuda"]) for r in results] == [("", False), ("", False)]
 
 
 def test_forked_ranks_are_killed_at_the_deadline(tmp_path):

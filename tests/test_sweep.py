@@ -27,7 +27,7 @@ def test_sample_sweep(tmp_path):
     before = _digest(docs)
     env = dict(os.environ, METAPATCH_SWEEP_CACHE=str(tmp_path / "cache"), PYTHONPATH=str(REPO))
     env.pop("METAPATCH_DISABLE", None)
-    command = [sys.executable, "-m", "metapatch", "sweep", "--sample", "--no-write", "--jobs", "2"]
+    command = [sys.executable, "-m", "metapatch", "sweep", "--sample", "--jobs", "2"]  # writes nothing unless asked
     run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     (stack_dir,) = (tmp_path / "cache").iterdir()

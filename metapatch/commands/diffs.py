@@ -49,16 +49,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from . import UsageError
+
     if getattr(args, "action", None) != "check":
-        print("usage: metapatch diffs check [PATCH_ID ...] [--json] [--import-targets] [--run]")
-        return 2
+        raise UsageError("name the action: metapatch diffs check [PATCH_ID ...] [--json] [--import-targets] [--run]")
     import metapatch
 
     registry = metapatch.registry
     unknown = [i for i in args.patch_ids if i not in registry.patches]
     if unknown:
-        print(f"metapatch diffs: unknown patch id(s) {', '.join(unknown)}; known: {', '.join(registry.patches) or 'none'}")
-        return 2
+        raise UsageError(f"unknown patch id(s) {', '.join(unknown)}; known: {', '.join(registry.patches) or 'none'}")
     if args.import_targets:
         _import_targets(registry)
     from metapatch.diffs import diffs_root

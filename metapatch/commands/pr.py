@@ -46,6 +46,11 @@ class Refused(Exception):
     """The command will not touch the repository; the message says why and what to do."""
 
 
+class BadInput(Refused):
+    """Refused because of what was asked (no such folder, patch or branch name, not a clone, the wrong one):
+    exit code 2, where a refusal of the checks' findings is 1."""
+
+
 @dataclass
 class Prepared:
     branch: str
@@ -95,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
                          progress=lambda line: print(line, file=sys.stderr, flush=True))
     except Refused as exc:
         print(f"metapatch pr: refused: {exc}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(exc, BadInput) else 1
     skipped = [name for name, flag in (("upstream and regression tests", args.skip_tests), ("linters", args.skip_lint)) if flag]
     if len(series) == 1:
         prepared = series[0]
@@ -127,10 +132,10 @@ def _git(repo: Path, *args: str, env: Optional[dict] = None, check: bool = True,
 
 def _toplevel(repo: Path) -> Path:
     if not repo.is_dir():
-        raise Refused(f"{repo} is not a directory")
+        raise BadInput(f"{repo} is not a directory")
     result = _git(repo, "rev-parse", "--show-toplevel", check=False)
     if result.returncode != 0:
-        raise Refused(f"{repo} is not a git repository (clone the upstream project there first)")
+        raise BadInput(f"{repo} is not a git repository (clone the upstream project there first)")
     return Path(result.stdout.strip())
 
 
@@ -153,7 +158,7 @@ def _resolve_base(repo: Path, base: Optional[str]) -> str:
             raise Refused(f"{repo} has no main branch and HEAD is detached: pass --base")
         return current
     if _git(repo, "rev-parse", "--verify", "--quiet", f"{base}^{{commit}}", check=False).returncode != 0:
-        raise Refused(f"base {base!r} is not a branch or commit of {repo}")
+        raise BadInput(f"base {base!r} is not a branch or commit of {repo}")
     return base
 
 
@@ -247,7 +252,7 @@ def choose_series(patch: Any, repo: Path, base: str, package: Optional[str]) -> 
             if problem:
                 raise Refused(problem)
             return series
-    raise Refused(f"wrong repository {repo}: " + " | ".join(reasons))
+    raise BadInput(f"wrong repository {repo}: " + " | ".join(reasons))
 
 
 def choose_diff(patch: Any, repo: Path, base: str, package: Optional[str]) -> Any:
@@ -298,7 +303,7 @@ def prepare(registry: Any, patch_id: str, repo: Path, *, base: Optional[str] = N
     or one per diff of a series, diff N committed on top of diff N-1 and checked against it. A
     refusal leaves the clone as it was."""
     if patch_id not in registry.patches:
-        raise Refused(f"unknown patch id {patch_id!r}; known: {', '.join(registry.patches) or 'none'}")
+        raise BadInput(f"unknown patch id {patch_id!r}; known: {', '.join(registry.patches) or 'none'}")
     patch = registry.patches[patch_id]
     repo = _toplevel(Path(repo).resolve())
     _ensure_clean(repo)
@@ -308,7 +313,7 @@ def prepare(registry: Any, patch_id: str, repo: Path, *, base: Optional[str] = N
     branches = [stem] if len(series) == 1 else [branch_name(stem, diff) for diff in series]
     for name in branches:
         if _git(repo, "check-ref-format", "--branch", name, check=False).returncode != 0:
-            raise Refused(f"{name!r} is not a valid branch name")
+            raise BadInput(f"{name!r} is not a valid branch name")
         if _git(repo, "rev-parse", "--verify", "--quiet", f"refs/heads/{name}", check=False).returncode == 0:
             raise Refused(f"branch {name} already exists in {repo}; delete it or pass --branch")
     for diff in series:

@@ -23,6 +23,7 @@ EPILOG = """examples:
   metapatch run -m my_package.cli --flag
   metapatch run accelerate launch --cpu train.py
   metapatch run -- python convert_hf_to_gguf.py ./bitnet --outtype f32
+  metapatch run --report train.py      which patches applied and ran, printed at exit
 
 A PROGRAM ending in .py is run with this interpreter; anything else is looked up on PATH (console
 scripts, python, torchrun). Children started with `python -E` or `-I` ignore PYTHONPATH and run
@@ -32,6 +33,9 @@ without metapatch. METAPATCH_DISABLE / METAPATCH_STRICT pass through to every pr
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EPILOG
+    parser.add_argument("--report", action="store_true",
+                        help="at exit, each Python process prints to stderr which patches applied and how often each "
+                             "one's code ran (METAPATCH_DEBUG=1): which pins the program still needs")
     # REMAINDER on the option too: everything after -m MODULE is the module's, even "--flags".
     parser.add_argument("-m", dest="module", nargs=argparse.REMAINDER, metavar="MODULE ARGS",
                         help="run a module as `python -m MODULE ARGS...`")
@@ -79,8 +83,11 @@ def run(args: argparse.Namespace) -> int:
         return 127  # what a shell answers
     sys.stdout.flush()
     sys.stderr.flush()
+    env = bootstrap_env(os.environ)
+    if args.report:
+        env["METAPATCH_DEBUG"] = "1"
     try:
-        os.execve(executable, argv, bootstrap_env(os.environ))
+        os.execve(executable, argv, env)
     except OSError as exc:
         print(f"metapatch run: cannot execute {executable}: {exc}", file=sys.stderr)
         return 126

@@ -34,15 +34,36 @@ speed:
   METAPATCH_SELFTEST_FORK=0 starts a fresh interpreter per run. --json gives seconds and cpu_seconds
   (user + system, subprocesses included) per run: a busy machine stretches the first, not the second
 
+device:
+  each scenario computes on the execution device: cuda:0 where torch sees a CUDA device (GPU 0 in the
+  device map, the offloaded rest on cpu/disk), cpu otherwise; METAPATCH_SELFTEST_DEVICE=cpu|cuda|cuda:N
+  overrides it. Scenarios that cannot use a GPU (two ranks over gloo, a CPU-only kernel path) are pinned
+  to cpu with CUDA hidden, and say why (DEVICE column, "device" and "device_note" in --json)
+
 verdicts:
   fixed            affected install: fails without metapatch, passes with it
   not reproduced   affected install, but the unpatched run passed on this machine (the fix is still checked)
-  passes           the scenario passes with and without metapatch (a regression guard, or not affected)
+  passes           the scenario passes with and without metapatch (a regression guard, not affected, or
+                   a flow upstream already handles on these releases, as the scenario declares)
   FAILED           the run with metapatch failed: metapatch does not fix this install (exit code 1)
+  TIMED OUT        a run gave no result within --timeout: nothing is known (exit code 1; a busy machine,
+                   or raise --timeout)
   BUG OUTSIDE GATE not affected by the version gate, yet the bug reproduces (exit code 1; please report)
   skipped          a package the scenario needs is not installed
   n/a (REASON)     the scenario's model class or API does not exist in the installed versions
-                   (e.g. "needs transformers >= 5.5"): neither passed nor failed, exit code unchanged
+                   (e.g. "needs transformers >= 5.5"), or the bug's code path is not taken on this
+                   machine (e.g. a CPU kernel this CPU lacks): neither passed nor failed, exit code unchanged
+
+exit code: 0 every scenario that ran passed with metapatch; 1 a scenario failed or timed out, a bug showed
+outside a patch's gate, or nothing ran at all (every scenario skipped or n/a: no stack installed);
+2 bad usage (--jobs below 1, a selection that matches nothing, a patch with no scenario).
+A patch without a scenario of its own is named at the end.
+
+environment:
+  METAPATCH_SELFTEST_FORK=0      a fresh interpreter per run instead of a fork of a warm parent
+  METAPATCH_SELFTEST_PRELOAD=0   the warm parents import torch only
+  METAPATCH_SELFTEST_DEVICE=cpu|cuda|cuda:N   the execution device (default: cuda:0 where CUDA is present)
+  METAPATCH_DISABLE / METAPATCH_STRICT apply to the runs with metapatch as in any program
 """
 
 
@@ -62,6 +83,11 @@ class Row:
     seconds: float = 0.0
     cpu_seconds: Optional[float] = None  # both runs' CPU time (None where unknown): what a quiet machine needs
     not_applicable: Optional[str] = None  # why the scenario does not apply here (verdict "n/a (...)")
+    # What the scenario declares its unpatched run does on this install ("" passes, else the error
+    # class(es)): where it declares a pass, an unpatched pass is "passes", not "not reproduced".
+    declared_unpatched: Optional[str] = None
+    device: Optional[str] = None  # where the runs computed ("cpu", "cuda:0"; None where neither said)
+    device_note: Optional[str] = None  # why it is pinned to the CPU, where it is
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -103,6 +129,7 @@ def _outcome_summary(outcome: Any, patch_id: str) -> Dict[str, Any]:
         "patch_state": outcome.states.get(patch_id),
         "traceback_tail": outcome.traceback[-1500:] if not outcome.passed else "",
         "not_applicable": outcome.not_applicable,
+        "device": outcome.device,
     }
 
 
@@ -120,6 +147,12 @@ def judge(row: Row) -> Row:
         # scenario (or the patch) changes what exists, so neither result can be trusted.
         row.verdict, row.ok = "FAILED", False
         return row
+    timed_out = [r for r in (unpatched, patched) if r.get("error_type") == TIMEOUT]
+    if timed_out:
+        # No result is no verdict: neither "fixed" (the unpatched run did not show the bug, it ran out of time)
+        # nor "not fixed".
+        row.verdict, row.ok = f"TIMED OUT ({timed_out[0].get('error') or 'no result'})", False
+        return row
     reproduced = not unpatched.get("passed", True)
     if not patched.get("passed", False):
         row.verdict, row.ok = "FAILED", False
@@ -129,11 +162,21 @@ def judge(row: Row) -> Row:
         row.verdict, row.ok = "BUG OUTSIDE GATE", False
     elif reproduced:
         row.verdict = "fixed"
-    elif row.affected and row.expected_error:
-        row.verdict = "not reproduced"
+    elif row.affected and row.expected_error and row.declared_unpatched != "":
+        # The scenario may know why its bug cannot show on this machine (a CPU kernel path this CPU
+        # does not take): then it applies no more than a missing model class would.
+        why = (unpatched.get("metrics") or {}).get("not_reproducible_here")
+        if why:
+            row.not_applicable = str(why)
+            row.verdict = f"n/a ({row.not_applicable})"
+        else:
+            row.verdict = "not reproduced"
     else:
         row.verdict = "passes"
     return row
+
+
+TIMEOUT = "TimeoutExpired"  # the harness's error_type for a run that gave no result in time
 
 
 def _missing_distribution(reason: str) -> bool:
@@ -160,6 +203,8 @@ def start_row(scenario: Any, registry: Any) -> Row:
         affected, reason, installed = None, "no patch with this id is registered", {}
     row = Row(scenario.key, scenario.patch_id, scenario.description, affected, reason, dict(installed),
               scenario.expected_error)
+    if patch is not None:
+        row.declared_unpatched = scenario.expected_unpatched(bool(affected)).error
     if patch is not None and not affected and _missing_distribution(reason):
         row.verdict, row.ok = "skipped", True
     return row
@@ -173,6 +218,10 @@ def finish_row(row: Row, unpatched: Any, patched: Optional[Any], seconds: float)
     if unpatched.not_applicable is None and patched is not None:
         row.patched = _outcome_summary(patched, row.patch_id)
     row.seconds = round(seconds, 2)
+    for outcome in (patched, unpatched):
+        if outcome is not None and outcome.device:
+            row.device, row.device_note = outcome.device, outcome.device_note
+            break
     cpu = [r.get("cpu_seconds") for r in (row.unpatched, row.patched) if r]
     row.cpu_seconds = round(sum(cpu), 2) if cpu and None not in cpu else None
     if row.patched is not None and _missing_package(patched):
@@ -196,7 +245,7 @@ def run_one(scenario: Any, registry: Any, timeout: float) -> Row:
 
 # -- output --------------------------------------------------------------------------------------
 
-COLUMNS = ("scenario", "affected", "unpatched", "patched", "seconds", "verdict")
+COLUMNS = ("scenario", "affected", "unpatched", "patched", "device", "seconds", "verdict")
 
 
 def _affected_text(row: Row) -> str:
@@ -225,12 +274,16 @@ def _patched_text(row: Row) -> str:
     return f"{text} [{state}]" if state else text
 
 
+def _device_text(row: Row) -> str:
+    return (row.device or "-") + ("*" if row.device_note else "")
+
+
 def cells(row: Row) -> List[str]:
-    return [row.scenario, _affected_text(row), _unpatched_text(row), _patched_text(row),
+    return [row.scenario, _affected_text(row), _unpatched_text(row), _patched_text(row), _device_text(row),
             f"{row.seconds:.1f}", row.verdict]
 
 
-WIDTHS = (50, 8, 22, 34, 7, 16)
+WIDTHS = (50, 8, 22, 34, 7, 7, 16)
 
 
 def format_line(values: Sequence[str]) -> str:
@@ -241,6 +294,8 @@ def format_details(row: Row) -> List[str]:
     out = []
     if row.verdict in ("FAILED", "BUG OUTSIDE GATE", "not reproduced", "skipped"):
         out.append(f"    gate: {row.gate}")
+    if row.device_note:
+        out.append(f"    {row.device}*: {row.device_note}")
     if row.verdict == "FAILED" and any((r or {}).get("not_applicable") for r in (row.unpatched, row.patched)):
         out.append("    n/a in only one of the two runs: "
                    + "; ".join(f"{label}: {r.get('not_applicable') or 'ran'}"
@@ -253,27 +308,83 @@ def format_details(row: Row) -> List[str]:
     return out
 
 
+def _timed_out(row: Row) -> bool:
+    return row.verdict.startswith("TIMED OUT")
+
+
+def nothing_ran(rows: Sequence[Row]) -> bool:
+    """No scenario ran here: each one was skipped (a package missing) or n/a."""
+    return all(row.verdict == "skipped" or row.not_applicable for row in rows)
+
+
 def summary_line(rows: Sequence[Row], seconds: float) -> str:
-    failed = [r.scenario for r in rows if not r.ok]
+    failed = [r.scenario for r in rows if not r.ok and not _timed_out(r)]
+    timed_out = [r.scenario for r in rows if _timed_out(r)]
     counts: Dict[str, int] = {}
     for row in rows:
-        kind = "n/a" if row.not_applicable else row.verdict  # one count, whatever each one's reason
+        kind = "n/a" if row.not_applicable else ("timed out" if _timed_out(row) else row.verdict)
         counts[kind] = counts.get(kind, 0) + 1
     text = ", ".join(f"{n} {v}" for v, n in counts.items()) or "no scenarios"
-    verdict = "metapatch fixes every affected scenario on this install" if not failed \
-        else f"NOT fixed here: {', '.join(failed)}"
-    return f"{len(rows)} scenarios in {seconds:.0f} s ({text}). {verdict}."
+    verdicts = []
+    if failed:
+        verdicts.append(f"NOT fixed here: {', '.join(failed)}")
+    if timed_out:
+        verdicts.append(f"timed out (no result, so no verdict): {', '.join(timed_out)}")
+    if not verdicts and nothing_ran(rows):
+        missing = sorted({dist for row in rows for dist, version in row.installed.items() if version is None})
+        verdicts.append("NOTHING RAN: every scenario was skipped or n/a on this install"
+                        + (f" (not installed: {', '.join(missing)})" if missing else "")
+                        + ", so nothing was checked")
+    verdict = "; ".join(verdicts) or "metapatch fixes every affected scenario on this install"
+    devices: Dict[str, int] = {}
+    for row in rows:
+        if row.device:
+            where = row.device + (" (pinned)" if row.device_note else "")
+            devices[where] = devices.get(where, 0) + 1
+    where = f" Computed on {', '.join(f'{d}: {n}' for d, n in sorted(devices.items()))}." if devices else ""
+    return f"{len(rows)} scenarios in {seconds:.0f} s ({text}). {verdict}.{where}"
 
 
 def exit_code(rows: Sequence[Row]) -> int:
-    return 0 if all(r.ok for r in rows) else 1
+    return 0 if rows and all(r.ok for r in rows) and not nothing_ran(rows) else 1
+
+
+def without_scenarios(registry: Any, scenarios: Sequence[Any]) -> List[str]:
+    """Ids of registered patches that have no scenario of their own."""
+    have = {s.patch_id for s in scenarios}
+    return [pid for pid in registry.patches if pid not in have]
 
 
 def run(args: argparse.Namespace) -> int:
     import metapatch
-    from metapatch.selftest import all_scenarios
+    from metapatch.selftest import _device, all_scenarios
 
-    scenarios = select(all_scenarios(), args.patch, args.scenario, args.include_slow)
+    from . import UsageError
+
+    if args.jobs < 1:
+        raise UsageError(f"--jobs {args.jobs}: give at least 1 (runs at once)")
+    if args.timeout <= 0:
+        raise UsageError(f"--timeout {args.timeout:g}: give a positive number of seconds")
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        print("metapatch selftest: NOTHING RAN: torch is not installed, and every reproducer needs it with the "
+              "Hugging Face stack (see the README's set-up: pip install torch, then metapatch[hf])", file=sys.stderr)
+        return 1
+    try:
+        _device.requested(os.environ.get(_device.DEVICE_ENV))  # each run decides; a typo is refused once, here
+    except ValueError as exc:
+        print(f"metapatch selftest: {exc}", file=sys.stderr)
+        return 2
+    every = all_scenarios()
+    unknown = [pid for pid in args.patch if pid not in metapatch.registry.patches]
+    if unknown:
+        raise UsageError(_unknown_patch_text(unknown, metapatch.registry))
+    bare = [pid for pid in args.patch if pid in without_scenarios(metapatch.registry, every)]
+    if bare:
+        raise UsageError(f"{', '.join(bare)}: no scenario of its own, so selftest cannot reproduce it here; "
+                         "its tests run with the patch's own test file")
+    scenarios = select(every, args.patch, args.scenario, args.include_slow)
     if not scenarios:
         print("metapatch selftest: no scenario matches"
               + (f" --patch {' '.join(args.patch)}" if args.patch else "")
@@ -282,7 +393,7 @@ def run(args: argparse.Namespace) -> int:
     # Named scenarios are run as named; a bare `metapatch selftest` is the quick tour.
     quick = not (args.run_all or args.include_slow or args.patch or args.scenario)
     work = chains(scenarios, quick)
-    jobs = max(1, args.jobs)
+    jobs = args.jobs
     started = time.perf_counter()
     if not args.json:
         what = (f"one scenario per patch ({len(work)} patches, {len(scenarios)} scenarios in all; --all runs every one)"
@@ -305,16 +416,32 @@ def run(args: argparse.Namespace) -> int:
         print("metapatch selftest: a fresh interpreter per run (METAPATCH_SELFTEST_FORK=0, or no os.fork)",
               file=sys.stderr, flush=True)
     else:
+        from metapatch.selftest._harness import PRELOAD_SKIPPED
+
         imported = ", ".join(["torch", *(["metapatch", *preloaded] if preloaded else [])])
+        left_out = "".join(f"; {name} imported by each run: it {why}" for name, why in PRELOAD_SKIPPED.items())
         print(f"metapatch selftest: warm parents ready in {time.perf_counter() - warming:.0f} s (imported once, "
-              f"forked per run: {imported})", file=sys.stderr, flush=True)
+              f"forked per run: {imported}{left_out})", file=sys.stderr, flush=True)
     progress = Progress(len(work), jobs, enabled=True)
     rows = run_chains(work, quick, jobs, metapatch.registry, args.timeout, on_row, progress)
     elapsed = time.perf_counter() - started
     if args.json:
         print(json.dumps({"rows": [asdict(r) for r in rows], "seconds": round(elapsed, 2),
-                          "exit_code": exit_code(rows), "metapatch": metapatch.__version__,
+                          "exit_code": exit_code(rows), "nothing_ran": nothing_ran(rows),
+                          "without_scenario": without_scenarios(metapatch.registry, every),
+                          "metapatch": metapatch.__version__,
                           "selection": "one per patch" if quick else "all"}, indent=2, default=str))
     else:
+        bare = without_scenarios(metapatch.registry, every) if quick else []
+        if bare:
+            print(f"no scenario of its own (not checked here): {', '.join(bare)}")
         print(summary_line(rows, elapsed))
     return exit_code(rows)
+
+
+def _unknown_patch_text(unknown: Sequence[str], registry: Any) -> str:
+    import difflib
+
+    close = sorted({m for pid in unknown for m in difflib.get_close_matches(pid, list(registry.patches), n=3)})
+    return (f"unknown patch id(s) {', '.join(unknown)}"
+            + (f"; did you mean {', '.join(close)}?" if close else "; `metapatch status` lists them"))

@@ -5,10 +5,19 @@ from __future__ import annotations
 import argparse
 import json
 
-HELP = "show every patch: state, reason, installed versions, affected range, upstream link"
+HELP = "show every patch (or the ones named): state, reason, installed versions, affected range, upstream link"
+
+EPILOG = """examples:
+  metapatch status                          every patch
+  metapatch status offloaded-model-device   one patch's row
+exit code: 0; 1 under METAPATCH_STRICT=1 when a patch shown is stale, conflict or failed; 2 for an unknown
+patch id (the close matches are named).
+"""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = EPILOG
+    parser.add_argument("patch_ids", nargs="*", metavar="PATCH_ID", help="only these patches (default: every one)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument("--import-targets", action="store_true",
                         help="import each patch's target modules first, so states are final rather than pending-import")
@@ -17,9 +26,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import importlib
 
+    import difflib
+
     import metapatch
     from metapatch._registry import strict_mode
 
+    from . import UsageError
+
+    known = list(metapatch.registry.patches)
+    wanted = list(getattr(args, "patch_ids", None) or [])
+    unknown = [pid for pid in wanted if pid not in metapatch.registry.patches]
+    if unknown:
+        close = sorted({m for pid in unknown for m in difflib.get_close_matches(pid, known, n=3, cutoff=0.5)})
+        raise UsageError(f"unknown patch id(s) {', '.join(unknown)}"
+                         + (f"; did you mean {', '.join(close)}?" if close else "; `metapatch status` lists them"))
     if args.import_targets:
         for row in metapatch.status():
             if row["state"] != "pending-import":
@@ -30,6 +50,8 @@ def run(args: argparse.Namespace) -> int:
                 except ImportError:
                     pass  # reported through the row's state: the distribution is missing
     rows = metapatch.status()
+    if wanted:
+        rows = [row for row in rows if row["id"] in wanted]
     if args.json:
         print(json.dumps(rows, indent=2))
     else:

@@ -77,5 +77,4 @@ PATCH = Patch(
         forwarded="no",
         note="No upstream issue found filed; accelerate 1.15.0 (latest) is affected.",
     ),
-    selftest="metapatch.selftest.bnb_quant_state_offload",
 )

@@ -42,6 +42,8 @@ class Report:
     extra_patches: Tuple[str, ...] = ()  # other patches the fix needs on some stacks
     # dist -> specifier where the upstream bug is measured (fixed-upstream); default: below fixed_upstream_in
     affected: Mapping[str, str] = field(default_factory=dict)
+    # CUDA devices the reproducer needs (0: runs on the CPU); its test is skipped, with the reason, with fewer
+    gpus: int = 0
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -63,7 +65,12 @@ class Report:
     @property
     def reproduced_here(self) -> bool:
         """Whether the reproducer runs without a GPU (counted as reproduced in the README)."""
-        return self.status != NEEDS_GPU
+        return self.status != NEEDS_GPU and not self.gpus
+
+    @property
+    def cuda_devices_needed(self) -> int:
+        """CUDA devices its test needs: ``gpus``, at least one for a report classified needs-gpu."""
+        return max(self.gpus, 1 if self.status == NEEDS_GPU else 0)
 
 
 def reports() -> List[Report]:

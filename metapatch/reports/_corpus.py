@@ -338,23 +338,30 @@ REPORTS = (
            "The thread reports transformers 4.49.0 fixes it; measured passing on 4.57.6, 5.11.0, 5.17.0, 5.24.0 "
            "(the same pattern is reported in OpenGVLab/VideoMAEv2#87).",
            _T + "item_in_init_under_meta", fixed_upstream_in={"transformers": "4.49.0"}),
-    # -- GPU only -------------------------------------------------------------------------------------
+    # -- measured on a GPU -----------------------------------------------------------------------------
     Report("transformers-46978-linear-attention-offload", "https://github.com/huggingface/transformers/pull/46978",
            "Fix accelerate hooks for all models using linear attention", "huggingface/transformers",
            "transformers main (2026-06), Qwen3.5-0.8B",
            "linear-attention layers pass their conv weights straight to the CUDA kernels, bypassing the offload hooks (silently wrong)",
-           "linear-attention-offload", (_DIFFERS, _EXPECTED_META), NEEDS_GPU,
-           "On CPU the torch fallback calls the conv module's forward, so the hooks fire: measured passing on 5.11.0 and 5.24.0. "
-           "The bug is in the CUDA kernel path (causal-conv1d / fla).",
-           _T + "linear_attention_offloaded"),
+           "linear-attention-offload", (_DIFFERS, _EXPECTED_META), FIXED_UPSTREAM,
+           "The PR's fix (force_accelerate_hooks on the gated delta net's forward) is in transformers 5.17.0, not in "
+           "5.11.0 (releases between not inspected). Measured passing with and without metapatch on CPU (5.11.0, "
+           "5.24.0) and on a machine with an H200 (transformers 5.24.0): the reproducer takes the torch fallback "
+           "(no causal-conv1d / flash-linear-attention kernels), which calls the conv module's forward, so the "
+           "hooks fire; before 5.17 it cannot show the bug (n/a), which lives in the CUDA kernel path.",
+           _T + "linear_attention_offloaded", fixed_upstream_in={"transformers": "5.17.0"}),
     Report("transformers-22018-int8-fp32-cpu-offload", "https://github.com/huggingface/transformers/issues/22018",
            "PretrainedModel.from_pretrained does not work with load_in_8bit=True, llm_int8_enable_fp32_cpu_offload=True and device_map='auto'",
            "huggingface/transformers", "transformers 4.27.0.dev0",
            "int8 layers on the GPU with fp32 layers offloaded to cpu", "int8-cpu-offload",
-           (r"Some modules are dispatched on the CPU or the disk",), NEEDS_GPU,
-           "bitsandbytes int8 needs a CUDA device for this placement.", _Q + "int8_fp32_cpu_offload"),
+           (r"Some modules are dispatched on the CPU or the disk",), FIXED_UPSTREAM,
+           "Measured passing with and without metapatch on an H200 (torch 2.11 CUDA 13, transformers 5.24.0, "
+           "bitsandbytes 0.50.2): an explicit map with llm_int8_enable_fp32_cpu_offload=True loads and runs. The "
+           "reported refusal predates the support window (the 4.27 era, when the flag arrived): its floor is the "
+           "release given. bitsandbytes int8 needs a CUDA device for this placement.",
+           _Q + "int8_fp32_cpu_offload", fixed_upstream_in={"transformers": "4.57.0"}, gpus=1),
     Report("peft-2787-adapter-on-second-gpu", "https://github.com/huggingface/peft/issues/2787",
            "PeftModel.from_pretrained adapter not applied when using device=\"cuda:1\"", "huggingface/peft",
            "peft 0.17 era", "adapter weights loaded to cuda:0 while the base is on cuda:1", "peft-second-gpu",
-           (_DIFFERS,), NEEDS_GPU, "Needs two CUDA devices.", _Q + "adapter_on_second_gpu"),
+           (_DIFFERS,), NEEDS_GPU, "Needs two CUDA devices.", _Q + "adapter_on_second_gpu", gpus=2),
 )

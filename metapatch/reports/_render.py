@@ -24,6 +24,9 @@ and with it, and checks the classification against the installed versions:
 | `not-meta-bug` | fails the same way with and without metapatch: the behaviour is by design (the reason says why) |
 | `needs-gpu` | skipped without CUDA devices, with the reason |
 
+A reproducer that needs CUDA devices whatever its status (int8 layers, a second GPU) is skipped without
+them, with the reason, and is not counted as reproduced here.
+
 `metapatch explain TRACEBACK_FILE` (or `-` for stdin) looks a traceback up in this table.
 """
 

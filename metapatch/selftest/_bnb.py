@@ -1,7 +1,8 @@
 """Building blocks of the bitsandbytes 4-bit scenarios (bnb-quant-state-offload, its companion
 accelerate-emptiness-probe, bnb-params4bit-extra-attributes): a tiny random Llama quantized in memory on
-the CPU, dispatched by accelerate with two decoder layers on ``disk`` (CPU main device; with a GPU,
-``cpu`` entries are offloaded the same way), and the comparisons with the undispatched model."""
+the execution device (``_device``: GPU 0 where there is one, else the CPU), dispatched by accelerate
+with two decoder layers on ``disk`` and the rest on that device (with a GPU main device, ``cpu`` entries
+are offloaded the same way), and the comparisons with the undispatched model."""
 
 from __future__ import annotations
 
@@ -46,12 +47,16 @@ def quant_config(quant_type: str = "nf4", double_quant: bool = True, compute_dty
                               bnb_4bit_compute_dtype=getattr(torch, compute_dtype))
 
 
-def load_quantized(path: Path, config: Any, device: Any = "cpu") -> Any:
-    """Quantized in memory on ``device`` (reference and dispatched model alike, so both hold the
-    very same packed weights)."""
+def load_quantized(path: Path, config: Any, device: Any = None) -> Any:
+    """Quantized in memory on ``device`` (default: the execution device; reference and dispatched model
+    alike, so both hold the very same packed weights)."""
     from transformers import AutoModelForCausalLM
 
+    from ._device import main_device
+
     _require_bitsandbytes()
+    if device is None:
+        device = main_device()
     try:
         return AutoModelForCausalLM.from_pretrained(path, quantization_config=config, device_map={"": device}).eval()
     except ImportError as exc:
@@ -74,9 +79,15 @@ def offload_map(offload_to: str, rest: Any = "cpu") -> Dict[str, Any]:
     return device_map
 
 
-def dispatch(model: Any, workdir: Path, offload_to: str = "disk", main_device: Any = "cpu") -> Any:
+def dispatch(model: Any, workdir: Path, offload_to: str = "disk", main_device: Any = None) -> Any:
+    """``model`` dispatched with OFFLOADED_LAYERS on ``offload_to``, the rest on ``main_device`` (default:
+    the execution device)."""
     import accelerate
 
+    from . import _device
+
+    if main_device is None:
+        main_device = _device.main_device()
     rest = main_device
     return accelerate.dispatch_model(model, device_map=offload_map(offload_to, rest), main_device=main_device,
                                      offload_dir=str(workdir / "offload"))

@@ -12,11 +12,16 @@ from pathlib import Path
 def main(function: str, workdir: str, result_file: str) -> int:
     import metapatch  # noqa: F401 - inert under METAPATCH_DISABLE=all, active otherwise
 
+    from metapatch.selftest import _device
+
     module_name, _, name = function.partition(":")
     result = {"passed": False, "metrics": {}}
     try:
         func = getattr(importlib.import_module(module_name), name)
         _check_requires()
+        # Decided here, in the process that computes (never in the warm parent it was forked from), and
+        # recorded below whatever the scenario does with it.
+        _device.execution_device()
         result["metrics"] = func(Path(workdir)) or {}
         result["passed"] = True
     except BaseException as exc:  # the outcome is the data: report every kind of failure
@@ -27,6 +32,7 @@ def main(function: str, workdir: str, result_file: str) -> int:
             # Only the scenario's explicit NotApplicable: an ImportError of a model class stays
             # a failure (the scenario should have checked and raised NotApplicable itself).
             result["not_applicable"] = str(exc) or "not applicable to the installed versions"
+    result.update(_device.report())
     result["metapatch_status"] = {row["id"]: row["state"] for row in metapatch.status()}
     Path(result_file).write_text(json.dumps(result, default=str))
     return 0

@@ -27,6 +27,10 @@ class Expect:
     error: str
     message: str = ""
     when: Mapping[str, str] = field(default_factory=dict, hash=False)
+    # The execution device types where this was measured (_device: "cpu", "cuda"). An expectation
+    # applies on those only; where none applies on a device, :meth:`Scenario.expected_unpatched` says
+    # what is known there (see its docstring).
+    devices: Tuple[str, ...] = ("cpu",)
 
 
 @dataclass(frozen=True)
@@ -50,21 +54,67 @@ class Scenario:
     # the cheapest one that shows the bug and the fix on the releases it was measured on (where it
     # cannot decide, n/a or not reproduced, the others follow in declared order).
     quick: bool = False
+    # Where it computes (see _device): "" the execution device (cuda:0 where CUDA is present, GPU 0 in
+    # the map, else cpu); "cpu" pinned there, its process started with CUDA hidden, for ``device_reason``.
+    device: str = ""
+    device_reason: str = ""
+    # The largest max_abs_diff counted as equal where it computes on a GPU (None: ``tolerance``), and
+    # why GPU kernels may differ there (an in-memory GPU model and an offloaded one computing on the
+    # same GPU run the same kernels on the same values: bit-equal unless a kernel is nondeterministic).
+    gpu_tolerance: Optional[float] = None
+    tolerance_reason: str = ""
+
+    def __post_init__(self) -> None:
+        if self.device not in ("", "cpu"):
+            raise ValueError(f"{self.key}: device must be '' (the execution device) or 'cpu', not {self.device!r}")
+        if self.device == "cpu" and not self.device_reason:
+            raise ValueError(f"{self.key}: a scenario pinned to the CPU says why (device_reason)")
 
     @property
     def key(self) -> str:
         return f"{self.patch_id}/{self.name}"
 
+    def tolerance_on(self, device: Optional[str]) -> float:
+        """The tolerance for a run that computed on ``device`` (an outcome's ``device``)."""
+        if device and device.startswith("cuda") and self.gpu_tolerance is not None:
+            return self.gpu_tolerance
+        return self.tolerance
+
+    def run_environment(self) -> Dict[str, str]:
+        """What the harness adds to a run's environment for the scenario's device (pinned: CUDA hidden)."""
+        from ._device import pin_environment
+
+        return pin_environment(self.device_reason) if self.device == "cpu" else {}
+
     def not_applicable_here(self, versions: Optional[Mapping[str, Optional[str]]] = None) -> str:
         """Why ``requires`` is not met on this install ('' when it is)."""
         return unmet(self.requires, versions)
 
-    def expected_unpatched(self, affected: bool, versions: Optional[Mapping[str, Optional[str]]] = None) -> Expect:
-        """The declared :class:`Expect` for this install; ``affected``: the patch's gate."""
-        for expect in self.unpatched:
-            if not unmet(expect.when, versions):
+    def expected_unpatched(self, affected: bool, versions: Optional[Mapping[str, Optional[str]]] = None,
+                           device: Optional[str] = None) -> Expect:
+        """The declared :class:`Expect` for this install; ``affected``: the patch's gate; ``device``: where
+        the run computed (None or "cpu": the CPU).
+
+        The declarations were measured on the CPU (``Expect.devices``). On a device where none of them was
+        measured, the bug's mechanism (offload hooks, device maps, meta tensors) is the device's too, so the
+        CPU's expectation stands, with two differences that follow from the device rather than from the
+        bug: the error text is not checked (message ``""``), and where the CPU computes silently wrong
+        values from a meta tensor (``AssertionError``), a GPU kernel refuses the meta operand
+        (``RuntimeError``), so either is accepted."""
+        kind = (device or "cpu").partition(":")[0]
+        declared = [e for e in self.unpatched if not unmet(e.when, versions)]
+        for expect in declared:
+            if kind in expect.devices:
                 return expect
-        return Expect(self.expected_error, self.expected_message) if affected else Expect("")
+        on_cpu = [e for e in declared if "cpu" in e.devices]
+        expect = on_cpu[0] if on_cpu else (Expect(self.expected_error, self.expected_message) if affected
+                                           else Expect(""))
+        if kind == "cpu" or not expect.error:
+            return expect
+        errors = expect.error.split("|")
+        if "AssertionError" in errors and "RuntimeError" not in errors:
+            errors.append("RuntimeError")
+        return Expect("|".join(errors), "", expect.when, (kind,))
 
 
 def unmet(requires: Mapping[str, str], versions: Optional[Mapping[str, Optional[str]]] = None) -> str:
@@ -109,6 +159,10 @@ class Outcome:
     # CPU seconds of the run's process and the subprocesses it waited for (None where unknown): what a
     # quiet machine would need, where ``seconds`` is stretched by whatever else runs.
     cpu_seconds: Optional[float] = None
+    # Where the run computed (_device.execution_device(): "cpu", "cuda:0"; None where the scenario never
+    # asked, e.g. it was n/a first), and why it is pinned to the CPU where it is.
+    device: Optional[str] = None
+    device_note: Optional[str] = None
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -151,16 +205,18 @@ def run_scenario(
     """Run one scenario in a process of its own: a child forked from a warm parent (see
     :func:`_warm_parent`), or a fresh interpreter where ``pythonpath`` is given or forking is off.
     ``patched=False`` sets METAPATCH_DISABLE=all; ``pythonpath`` entries go first on the child's path
-    (a patched copy of an upstream package). Safe to call from several threads at once."""
+    (a patched copy of an upstream package); a scenario pinned to the CPU gets CUDA hidden
+    (:meth:`Scenario.run_environment`). Safe to call from several threads at once."""
     if isinstance(scenario, str):
         scenario = find(scenario)
-    child_env = _child_env(scenario.requires, patched, pythonpath, env)
+    parent_env = _child_env(scenario.requires, patched, pythonpath, env)
+    child_env = dict(parent_env, **scenario.run_environment())
     with tempfile.TemporaryDirectory(prefix="metapatch-selftest-") as tmp:
         result_file = Path(tmp) / "result.json"
         workdir = Path(tmp) / "work"
         workdir.mkdir()
         started = time.perf_counter()
-        warm = None if pythonpath else _warm_parent(child_env, preload=not env)
+        warm = None if pythonpath else _warm_parent(parent_env, preload=not env)
         if warm is not None:
             rc, timed_out, stderr, cpu = warm.run(scenario.function, workdir, result_file, child_env, cwd or tmp, timeout, Path(tmp))
         else:
@@ -176,7 +232,8 @@ def run_scenario(
         data = json.loads(result_file.read_text())
     return Outcome(scenario.key, patched, data["passed"], data.get("error_type"), data.get("error"),
                    data.get("traceback", ""), data.get("metrics", {}), seconds, stderr[-4000:],
-                   data.get("metapatch_status", {}), data.get("not_applicable"), cpu)
+                   data.get("metapatch_status", {}), data.get("not_applicable"), cpu,
+                   device=data.get("device"), device_note=data.get("device_note"))
 
 
 def _child_env(requires: Mapping[str, str], patched: bool, pythonpath: Sequence[str] = (),
@@ -188,6 +245,9 @@ def _child_env(requires: Mapping[str, str], patched: bool, pythonpath: Sequence[
     # where torch's default (a thread per core, each spinning while it waits) made two runs fight over the
     # cores (measured on 2 cores: a patch's scenarios at --jobs 2 took 30-40 % less wall time with it).
     child_env.setdefault("OMP_NUM_THREADS", "1")
+    # transformers >= 5.25 with the kernels package fetches hub kernels in every from_pretrained on a GPU, and
+    # fails there without network access; the scenarios compare with in-memory models built without them.
+    child_env.setdefault("USE_HUB_KERNELS", "0")
     if requires:  # judged in the child, where the upstream copy under test is importable
         child_env[REQUIRES_ENV] = json.dumps(dict(requires))
     if env:
@@ -202,12 +262,16 @@ def _child_env(requires: Mapping[str, str], patched: bool, pythonpath: Sequence[
 def warm_up() -> Optional[List[str]]:
     """Start the warm parents of plain runs (without and with metapatch) at once, before the first run
     needs them, so that no scenario's time includes their start. Returns what the patched runs' parent
-    preloaded ([]: torch only), None where runs start fresh interpreters (no parent)."""
+    preloaded ([]: torch only), None where runs start fresh interpreters (no parent); what it left out of
+    the preload, and why, is in ``PRELOAD_SKIPPED``."""
     found: Dict[bool, Optional[List[str]]] = {}
 
     def start(patched: bool) -> None:
         parent = _warm_parent(_child_env({}, patched), preload=True)
         found[patched] = None if parent is None else list(parent.preloaded)
+        if patched and parent is not None:
+            PRELOAD_SKIPPED.clear()
+            PRELOAD_SKIPPED.update(parent.skipped)
 
     threads = [threading.Thread(target=start, args=(patched,)) for patched in (False, True)]
     for thread in threads:
@@ -253,9 +317,11 @@ def _reap(proc: "subprocess.Popen", timeout: float) -> "tuple[int, bool, Optiona
 
 # Imported once by a warm parent that serves runs in the selftest's own environment (after
 # ``import metapatch``: see _zygote): what nearly every scenario imports, and what costs a child
-# most of its start-up. A module missing from the install is left out.
+# most of its start-up. A module missing from the install is left out, and so is one that initialises
+# CUDA at import where torch may meet a GPU (_device.preload_plan: bitsandbytes).
 PRELOAD = ("transformers", "transformers.modeling_utils", "transformers.models.llama.modeling_llama",
            "accelerate", "peft", "bitsandbytes")
+PRELOAD_SKIPPED: Dict[str, str] = {}  # what warm_up()'s parent left out of PRELOAD, and why
 
 
 class _WarmParent:
@@ -278,6 +344,7 @@ class _WarmParent:
             self.close()
             raise RuntimeError(f"the warm parent did not start: {hello.get('error', 'no answer')}")
         self.preloaded: List[str] = hello.get("preloaded", [])
+        self.skipped: Dict[str, str] = hello.get("skipped", {})  # left out of the preload: why (_device)
         self.lock = threading.Lock()  # writes, the id counter and the table of pending runs
         self.pending: Dict[int, list] = {}  # id -> [event, reply]
         self.next_id = 0

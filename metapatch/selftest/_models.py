@@ -1,5 +1,9 @@
 """Tiny random checkpoints of real architectures, built on the fly (no hub access), and the
-comparisons the reproducers share. Imported only inside scenario functions: torch is heavy."""
+comparisons the reproducers share. Imported only inside scenario functions: torch is heavy.
+
+Models are built and saved on the CPU (the same random weights on every machine); a scenario then
+places the in-memory reference and the non-offloaded part of its map on the execution device
+(``_device``), and feeds both :func:`device_input_ids`."""
 
 from __future__ import annotations
 
@@ -37,8 +41,16 @@ def input_ids(vocab_size: int = 128, length: int = 8, seed: int = 1) -> Any:
     return torch.randint(0, vocab_size, (1, length), generator=generator)
 
 
+def device_input_ids(vocab_size: int = 128, length: int = 8, seed: int = 1) -> Any:
+    """:func:`input_ids` (drawn on the CPU: the same ids everywhere) on the execution device."""
+    from ._device import to_device
+
+    return to_device(input_ids(vocab_size, length, seed))
+
+
 def max_abs_diff(a: Any, b: Any) -> float:
-    return float((a.float() - b.float()).abs().max())
+    """Largest absolute difference, read on the CPU (the two may live on different devices)."""
+    return float((a.detach().float().cpu() - b.detach().float().cpu()).abs().max())
 
 
 def meta_parameters(model: Any) -> list:

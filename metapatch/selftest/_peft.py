@@ -55,16 +55,25 @@ def _save_checkpoint(arch: str, path: Path) -> Path:
     return save_tiny_llama(path)
 
 
-def offload_map(arch: str) -> Dict[str, str]:
-    """Embeddings, head and the first layers in memory; the last layers on disk. For Gemma 4 the
-    disk layers include KV-shared ones and their sources (layers 3-5 reuse 1 and 2)."""
+def offload_map(arch: str, main: Any = None) -> Dict[str, Any]:
+    """Embeddings, head and the first layers in memory on ``main`` (a device-map value; default: the
+    execution device, ``_device.main_device()``); the last layers on disk. For Gemma 4 the disk layers
+    include KV-shared ones and their sources (layers 3-5 reuse 1 and 2). With a GPU main device, layer 1
+    is offloaded to ``cpu`` as well: the GPU/cpu/disk map of the seeds (without one, ``cpu`` is memory)."""
+    if main is None:
+        from ._device import main_device
+
+        main = main_device()
     layers = 4 if arch == "llama" else 6
-    device_map = {"model.embed_tokens": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    device_map: Dict[str, Any] = {"model.embed_tokens": main, "model.norm": main, "model.rotary_emb": main,
+                                  "lm_head": main}
     if arch == "gemma4":
-        device_map.update({"model.embed_tokens_per_layer": "cpu", "model.per_layer_model_projection": "cpu",
-                           "model.per_layer_projection_norm": "cpu"})
+        device_map.update({"model.embed_tokens_per_layer": main, "model.per_layer_model_projection": main,
+                           "model.per_layer_projection_norm": main})
     for i in range(layers):
-        device_map[f"model.layers.{i}"] = "cpu" if i < 2 else "disk"
+        device_map[f"model.layers.{i}"] = main if i < 2 else "disk"
+    if main != "cpu":
+        device_map["model.layers.1"] = "cpu"
     return device_map
 
 

@@ -8,7 +8,7 @@ labels, ``backward`` and one SGD step. Compared with the same step on the in-mem
 
 * the trainable parameters are the adapter's only, with the same names;
 * gradients and updated adapter values are equal (``torch.equal``: the same kernels run on the same
-  values, so no tolerance is needed on the CPU);
+  values, so no tolerance is needed on the CPU; on a GPU, within :data:`GPU_STEP_TOLERANCE`, see there);
 * the base is unchanged: after ``unload()`` the offloaded model's logits equal the untouched base's,
   and the checkpoint and the offload folder keep their file hashes; nothing is written outside the
   offload folder.
@@ -20,7 +20,16 @@ gradients (or the forward fails), so the step is not the in-memory step.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
+
+# Both runs compute on the execution device (``_device``: the in-memory base on it, the offloaded one with it
+# as the main device). On a GPU the backward of scaled_dot_product_attention (its memory-efficient kernel,
+# the one fp32 inputs get) accumulates with atomic adds, so two runs of the same step may differ in the last
+# bits of a gradient; the forward, and everything on the CPU, is bit-equal. A wrong or meta adapter differs
+# by orders of magnitude more (gradients here are ~1e-3).
+GPU_STEP_TOLERANCE = 1e-6
+GPU_STEP_REASON = ("the backward of scaled_dot_product_attention on CUDA accumulates with atomic adds: "
+                   "gradients of two equal runs may differ in the last bits")
 
 
 def _lora() -> Any:
@@ -36,14 +45,14 @@ def train_step(model: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     import torch
     from peft import get_peft_model
 
-    from ._models import input_ids
+    from ._models import device_input_ids
 
     torch.manual_seed(7)
     peft_model = get_peft_model(model, _lora())
     peft_model.train()
     trainable = {n: p for n, p in peft_model.named_parameters() if p.requires_grad}
     optimizer = torch.optim.SGD(list(trainable.values()), lr=0.5)
-    ids = input_ids()
+    ids = device_input_ids()
     loss = peft_model(input_ids=ids, labels=ids).loss
     loss.backward()
     grads = {n: (p.grad.detach().clone() if p.grad is not None else None) for n, p in trainable.items()}
@@ -52,10 +61,25 @@ def train_step(model: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     return {"grads": grads, "after": after, "loss": float(loss)}, {"model": peft_model}
 
 
-def _compare_steps(got: Dict[str, Any], want: Dict[str, Any]) -> Dict[str, Any]:
+def _step_tolerance() -> float:
+    from ._device import on_gpu
+
+    return GPU_STEP_TOLERANCE if on_gpu() else 0.0
+
+
+def _close(a: Any, b: Any, tolerance: float) -> bool:
     import torch
 
     from ._models import max_abs_diff
+
+    return torch.equal(a, b) if tolerance == 0 else max_abs_diff(a, b) <= tolerance
+
+
+def _compare_steps(got: Dict[str, Any], want: Dict[str, Any], tolerance: Optional[float] = None) -> Dict[str, Any]:
+    from ._models import max_abs_diff
+
+    if tolerance is None:
+        tolerance = _step_tolerance()
 
     if set(got["grads"]) != set(want["grads"]):
         raise AssertionError(f"trainable parameters differ: {sorted(set(got['grads']) ^ set(want['grads']))[:6]}")
@@ -67,12 +91,12 @@ def _compare_steps(got: Dict[str, Any], want: Dict[str, Any]) -> Dict[str, Any]:
         if other is None or grad is None or other.device.type == "meta":
             raise AssertionError(f"{name}: gradient {other if other is None else other.device} on the offloaded "
                                  "base, expected a real one")
-        if not torch.equal(other, grad):
+        if not _close(other, grad, tolerance):
             raise AssertionError(f"{name}: gradient differs (max abs diff {max_abs_diff(other, grad)})")
-        if not torch.equal(got["after"][name], want["after"][name]):
+        if not _close(got["after"][name], want["after"][name], tolerance):
             raise AssertionError(f"{name}: updated value differs")
         worst = max(worst, max_abs_diff(other, grad))
-    if got["loss"] != want["loss"]:
+    if got["loss"] != want["loss"]:  # the forward: bit-equal on every device
         raise AssertionError(f"loss differs: {got['loss']} vs {want['loss']}")
     return {"max_abs_diff": worst, "trainable": len(got["grads"]), "loss": got["loss"]}
 
@@ -80,12 +104,12 @@ def _compare_steps(got: Dict[str, Any], want: Dict[str, Any]) -> Dict[str, Any]:
 def _base_unchanged(peft_model: Any, reference_logits: Any) -> None:
     import torch
 
-    from ._models import input_ids
+    from ._models import device_input_ids
 
     base = peft_model.unload()
     base.eval()
     with torch.no_grad():
-        logits = base(input_ids=input_ids()).logits
+        logits = base(input_ids=device_input_ids()).logits
     if not torch.equal(logits, reference_logits):
         raise AssertionError("after the step and unload(), the offloaded base gives other logits than the untouched "
                              "base: base weights were changed")
@@ -94,10 +118,10 @@ def _base_unchanged(peft_model: Any, reference_logits: Any) -> None:
 def _logits(model: Any) -> Any:
     import torch
 
-    from ._models import input_ids
+    from ._models import device_input_ids
 
     with torch.no_grad():
-        return model.eval()(input_ids=input_ids()).logits
+        return model.eval()(input_ids=device_input_ids()).logits
 
 
 def _hashes_of(folder: Path) -> Dict[str, str]:
@@ -128,11 +152,12 @@ def _run(workdir: Path, load_in_memory: Any, load_offloaded: Any, checkpoint: Pa
 def fp32_step(workdir: Path) -> Dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
+    from ._device import to_device
     from ._models import save_tiny_llama
     from ._peft_tuners import offload_map
 
     checkpoint = save_tiny_llama(workdir / "base")
-    return _run(workdir, lambda: AutoModelForCausalLM.from_pretrained(checkpoint),
+    return _run(workdir, lambda: to_device(AutoModelForCausalLM.from_pretrained(checkpoint)),
                 lambda: AutoModelForCausalLM.from_pretrained(checkpoint, device_map=offload_map(),
                                                              offload_folder=str(workdir / "offload")),
                 checkpoint)

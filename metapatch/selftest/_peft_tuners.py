@@ -2,8 +2,9 @@
 across PEFT's tuners and entry points.
 
 A tiny Llama (4 layers, hidden 64: every supported transformers has it) is saved as a random
-checkpoint and loaded with layers 0-1 on ``cpu`` and 2-3 on ``disk`` (``offload_folder`` in the work
-directory). Each case builds the same adapter (non-zero: ``init_lora_weights=False`` /
+checkpoint and loaded with layers 0-1 in memory and 2-3 on ``disk`` (``offload_folder`` in the work
+directory); memory is the execution device (``_device``), and on a GPU machine layer 1 is offloaded to
+``cpu`` (a GPU/cpu/disk map), the in-memory base on that GPU too. Each case builds the same adapter (non-zero: ``init_lora_weights=False`` /
 ``init_weights=False``) over that offloaded base and over the in-memory base, through one entry
 point, and compares logits and greedy tokens with ``torch.equal``. A case passes when the results
 are equal, or when metapatch refuses with a ``MetapatchError`` that the case allows; anything else
@@ -67,11 +68,12 @@ TUNERS = ("lora", "rslora", "dora", "lora-modules-to-save", "lora-modules-to-sav
           "ia3", "loha", "lokr", "adalora", "oft", "boft", "vera")
 
 
-def offload_map(embeddings_on_disk: bool = False) -> Dict[str, str]:
-    device_map = {"model.embed_tokens": "disk" if embeddings_on_disk else "cpu", "model.norm": "cpu",
-                  "model.rotary_emb": "cpu", "lm_head": "cpu"}
-    for i in range(4):
-        device_map[f"model.layers.{i}"] = "cpu" if i < 2 else "disk"
+def offload_map(embeddings_on_disk: bool = False) -> Dict[str, Any]:
+    from ._peft import offload_map as llama_map
+
+    device_map = llama_map("llama")
+    if embeddings_on_disk:
+        device_map["model.embed_tokens"] = "disk"
     return device_map
 
 
@@ -90,7 +92,9 @@ class _Bench:
         from transformers import AutoModelForCausalLM
 
         if not offloaded:
-            return AutoModelForCausalLM.from_pretrained(self.checkpoint).eval()
+            from ._device import to_device
+
+            return to_device(AutoModelForCausalLM.from_pretrained(self.checkpoint).eval())
         self._runs += 1
         return AutoModelForCausalLM.from_pretrained(
             self.checkpoint, device_map=offload_map(embeddings_on_disk),
@@ -110,12 +114,17 @@ class _Bench:
         return self._adapters[key]
 
 
-def outputs(model: Any) -> Tuple[Any, Any]:
+def outputs(model: Any, device: Any = None) -> Tuple[Any, Any]:
+    """Logits and greedy tokens for the same prompt, fed on ``device`` (default: the execution device)."""
     import torch
 
     from ._models import input_ids
 
-    ids = input_ids()
+    if device is None:
+        from ._device import execution_device
+
+        device = execution_device()
+    ids = input_ids().to(device)
     with torch.no_grad():
         logits = model(input_ids=ids).logits
         tokens = model.generate(input_ids=ids, max_new_tokens=_NEW_TOKENS, do_sample=False)
@@ -127,10 +136,10 @@ def _same(got: Tuple[Any, Any], want: Tuple[Any, Any]) -> str:
 
     from ._models import max_abs_diff
 
-    if got[0].shape != want[0].shape or not torch.equal(got[0], want[0]):
+    if got[0].shape != want[0].shape or not torch.equal(got[0].cpu(), want[0].cpu()):
         diff = max_abs_diff(got[0], want[0]) if got[0].shape == want[0].shape else "shape"
         return f"logits differ (max abs diff {diff})"
-    if not torch.equal(got[1], want[1]):
+    if not torch.equal(got[1].cpu(), want[1].cpu()):
         return f"greedy tokens differ: {got[1].tolist()} vs {want[1].tolist()}"
     return ""
 
@@ -175,9 +184,11 @@ def via_auto_peft_model(bench: _Bench, kind: str) -> Tuple[Any, Any]:
 
     adapter = bench.adapter(kind)
     bench._runs += 1
+    from ._device import to_device
+
     offloaded = AutoPeftModelForCausalLM.from_pretrained(
         adapter, device_map=offload_map(), offload_folder=str(bench.workdir / "offload" / f"auto{bench._runs}"))
-    return outputs(offloaded.eval()), outputs(AutoPeftModelForCausalLM.from_pretrained(adapter).eval())
+    return outputs(offloaded.eval()), outputs(to_device(AutoPeftModelForCausalLM.from_pretrained(adapter)).eval())
 
 
 def via_mixed_model(bench: _Bench, kind: str) -> Tuple[Any, Any]:
@@ -288,19 +299,23 @@ def lora_entry_points(workdir: Path) -> Dict[str, Any]:
 def all_disk_redispatch(workdir: Path) -> Dict[str, Any]:
     """``PeftModel.from_pretrained`` with a CPU budget too small for any layer: PEFT's re-dispatch
     map names only ``disk``. accelerate before 1.15 then refuses ("offload the whole model to the
-    disk. Please use the disk_offload function instead"), advice a PEFT user cannot follow."""
+    disk. Please use the disk_offload function instead"), advice a PEFT user cannot follow. A map of
+    disk only computes on the CPU (on a GPU machine too, as ``dispatch_model`` decides): the in-memory
+    reference computes where the re-dispatched model does."""
     from peft import PeftModel
 
     from ._peft import _SideEffects
+    from ._tied import execution_device_of
 
     bench = _Bench(workdir)
     adapter = bench.adapter("lora")
-    want = outputs(PeftModel.from_pretrained(bench.base(False), adapter).eval())
     watch = _SideEffects(workdir, bench.checkpoint, ("offload", "adapters", "peft_offload"))
     model = PeftModel.from_pretrained(bench.base(True), adapter, max_memory={"cpu": 60_000},
                                       offload_dir=str(workdir / "peft_offload"))
     placement = set(map(str, model.hf_device_map.values()))
-    problem = _same(outputs(model.eval()), want)
+    device = execution_device_of(model)
+    want = outputs(PeftModel.from_pretrained(bench.base(False).to(device), adapter).eval(), device)
+    problem = _same(outputs(model.eval(), device), want)
     if problem:
         raise AssertionError(f"all-disk re-dispatch: {problem}")
     problems = watch.problems()

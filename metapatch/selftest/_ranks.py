@@ -12,8 +12,15 @@ Where it is safe, the ranks are forked from the caller instead (:func:`_can_fork
 has already imported torch, the stack and metapatch, and a fresh interpreter per rank spent most of a
 two-rank scenario's time importing them again. Safe means what the selftest's warm parent relies on
 too: one thread in the process, one intra-op thread in torch (an OpenMP pool does not survive a
-fork), no CUDA, no process group yet, and no environment of the caller's own (``env``), which a rank
-would have had to read at import time. ``METAPATCH_SELFTEST_FORK=0`` turns it off.
+fork), CUDA untouched in the caller (``_device.cuda_touched``: not initialised, the driver not even
+loaded, as ``torch.cuda.is_available()`` loads it), no process group yet, and no environment of the
+caller's own (``env``), which a rank would have had to read at import time. ``METAPATCH_SELFTEST_FORK=0``
+turns it off.
+
+The ranks compute on the CPU over gloo unless the caller asks for GPUs (``gpus=True``): CUDA is hidden
+from each rank's environment (``_device.HIDDEN_CUDA``) before its torch looks, so a rank never maps itself
+to ``cuda:RANK`` on a machine with fewer GPUs than ranks. With ``gpus=True`` a rank sees the machine's
+GPUs and :func:`backend` picks nccl only where every rank has one.
 
 The rank function is ``module:function`` called as ``function(rank, world_size, workdir)``; it
 initialises its own process group (``init_process_group`` or an accelerate ``Accelerator``; the
@@ -57,6 +64,11 @@ FSDP_ENV = {
 
 _GRACE_S = 10.0
 
+# What a scenario that runs ranks declares (``Scenario(..., **GLOO_RANKS)``): it computes on the CPU on
+# every machine, its process and ranks started with CUDA hidden (see _device).
+GLOO_RANKS = {"device": "cpu", "device_reason": "two ranks over gloo, one CPU process each (a GPU per rank needs "
+                                                "as many GPUs as ranks, and nccl)"}
+
 
 def _ok(workdir: Path, rank: int) -> bool:
     import torch
@@ -82,15 +94,20 @@ RANK_TIMEOUT_S = 280.0
 
 
 def run_ranks(function: str, workdir: Path, *, world_size: int = 2, timeout: float = RANK_TIMEOUT_S,
-              env: Optional[Mapping[str, str]] = None) -> List[Dict[str, Any]]:
+              env: Optional[Mapping[str, str]] = None, gpus: bool = False) -> List[Dict[str, Any]]:
     """Run ``function`` as ``world_size`` ranks; one report per rank, in rank order:
-    ``{"rank", "ok", "result"}`` or ``{"rank", "ok": False, "error_type", "error", "traceback"}``."""
+    ``{"rank", "ok", "result"}`` or ``{"rank", "ok": False, "error_type", "error", "traceback"}``.
+    ``gpus``: the ranks see the machine's CUDA devices (default: hidden, gloo on the CPU)."""
     import torch
+
+    from ._device import HIDDEN_CUDA
 
     workdir = Path(workdir)
     here = str(Path(__file__).resolve().parents[2])
     base = dict(os.environ)
     base.update(env or {})
+    if not gpus:
+        base.update(HIDDEN_CUDA)
     base["PYTHONPATH"] = os.pathsep.join(p for p in (base.get("PYTHONPATH", ""), here) if p)
     base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world_size),
                 LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS=base.get("OMP_NUM_THREADS", "1"))
@@ -146,6 +163,8 @@ def run_ranks(function: str, workdir: Path, *, world_size: int = 2, timeout: flo
 
 def _can_fork() -> bool:
     """Whether a rank may be a fork of this process (see the module docstring)."""
+    from ._device import cuda_touched
+
     if os.environ.get("METAPATCH_SELFTEST_FORK", "1") == "0" or not hasattr(os, "fork"):
         return False
     _stop_progress_monitors()
@@ -153,7 +172,7 @@ def _can_fork() -> bool:
         return False
     import torch
 
-    if torch.get_num_threads() != 1 or torch.cuda.is_initialized():
+    if torch.get_num_threads() != 1 or cuda_touched():
         return False
     import torch.distributed as dist
 

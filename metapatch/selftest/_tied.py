@@ -3,6 +3,10 @@
 and its published full-size shape on meta, the comparison with the in-memory model, the budget
 sweeps of map inference, and a tiny Llama loaded tied or untied. Where the installed transformers has
 no DiffusionGemma (it arrived in 5.11) the builders raise :class:`~metapatch.selftest.NotApplicable`.
+
+Where a loaded model computes is what its map says (:func:`execution_device_of`): GPU 0 where the map
+has it (explicit maps put their memory entries on the execution device, ``on_main``), the CPU for a map
+of cpu and disk only, GPU or not. The in-memory reference computes there too.
 """
 
 from __future__ import annotations
@@ -107,15 +111,38 @@ def model_bytes(model: Any) -> int:
     return sum(tg.bytes_per_device(model, {"": "cpu"}).values())
 
 
-def outputs(model: Any) -> Dict[str, Any]:
+def on_main(device_map: Dict[str, Any]) -> Dict[str, Any]:
+    """``device_map`` with its memory entries (``"cpu"``) on the execution device (GPU 0 where there is one)."""
+    from ._device import main_device
+
+    return {name: main_device() if device == "cpu" else device for name, device in device_map.items()}
+
+
+def execution_device_of(model: Any) -> str:
+    """Where ``model`` computes: the first GPU of its device map where it has one (accelerate's main
+    device), else the CPU (a map of cpu and disk only is dispatched with a CPU main device on any
+    machine); without a map, where its first parameter is."""
+    import torch
+
+    device_map = getattr(model, "hf_device_map", None)
+    if device_map is None:
+        device = next((p.device for p in model.parameters() if not p.is_meta), torch.device("cpu"))
+        return str(device)
+    gpus = sorted(v if isinstance(v, int) else (torch.device(v).index or 0)
+                  for v in device_map.values() if isinstance(v, int) or str(v).startswith("cuda"))
+    return f"cuda:{gpus[0]}" if gpus else "cpu"
+
+
+def outputs(model: Any, device: Any = "cpu") -> Dict[str, Any]:
     import torch
 
     # generate() first and outside no_grad, as the seed report calls it.
     torch.manual_seed(0)  # the denoiser samples (torch.multinomial) even when greedy
-    generated = model.generate(input_ids=torch.tensor(PROMPT), max_new_tokens=4, do_sample=False,
+    prompt, canvas = torch.tensor(PROMPT, device=device), torch.tensor(CANVAS, device=device)
+    generated = model.generate(input_ids=prompt, max_new_tokens=4, do_sample=False,
                                max_denoising_steps=3)  # a few offloaded decoder passes, not hundreds
     with torch.no_grad():
-        logits = model(input_ids=torch.tensor(PROMPT), decoder_input_ids=torch.tensor(CANVAS)).logits
+        logits = model(input_ids=prompt, decoder_input_ids=canvas).logits
         # One self-conditioned decoder pass, as generate()'s later denoising steps make: the decoder
         # then reads embed_tokens.weight directly. Offloaded, that is meta, and torch 2.13's cpu @ meta
         # matmul returns uninitialised memory instead of raising, so the few greedy tokens above can
@@ -123,24 +150,28 @@ def outputs(model: Any) -> Dict[str, Any]:
         conditioned = None
         if "self_conditioning_logits" in inspect.signature(model.forward).parameters:
             soft = torch.randn(1, len(CANVAS[0]), model.config.get_text_config().vocab_size,
-                               generator=torch.Generator().manual_seed(1))
-            conditioned = model(input_ids=torch.tensor(PROMPT), decoder_input_ids=torch.tensor(CANVAS),
-                                self_conditioning_logits=soft).logits
+                               generator=torch.Generator().manual_seed(1)).to(device)
+            conditioned = model(input_ids=prompt, decoder_input_ids=canvas, self_conditioning_logits=soft).logits
     sequences = getattr(generated, "sequences", generated)
     return {"logits": logits, "generated": sequences, "conditioned": conditioned}
 
 
 def compare(loaded: Any, reference: Any) -> float:
+    """The loaded model's outputs against the in-memory ``reference``'s, both computing where the loaded
+    model does (the reference is moved there)."""
     import torch
 
-    got, want = outputs(loaded), outputs(reference)
-    if not torch.equal(got["generated"], want["generated"]):
+    device = execution_device_of(loaded)
+    got, want = outputs(loaded, device), outputs(reference.to(device), device)
+    if not torch.equal(got["generated"].cpu(), want["generated"].cpu()):
         raise AssertionError(f"generate differs: {got['generated'].tolist()} != {want['generated'].tolist()}")
-    diff = float((got["logits"].float() - want["logits"].float()).abs().max())
+    from ._models import max_abs_diff
+
+    diff = max_abs_diff(got["logits"], want["logits"])
     if diff > LOGITS_TOLERANCE:
         raise AssertionError(f"logits differ from the in-memory model (max abs diff {diff})")
     if want["conditioned"] is not None:
-        conditioned = float((got["conditioned"].float() - want["conditioned"].float()).abs().max())
+        conditioned = max_abs_diff(got["conditioned"], want["conditioned"])
         if not conditioned <= LOGITS_TOLERANCE:  # NaN fails too
             raise AssertionError(f"self-conditioned logits differ from the in-memory model (max abs diff {conditioned})")
         diff = max(diff, conditioned)
@@ -214,12 +245,12 @@ FRACTIONS = (1.5, 1.0, 0.8, 0.6, 0.45, 0.3, 0.2, 0.12, 0.06, 0.02, 0.005)
 LLAMA_GREEDY_TOKENS = 4
 
 
-def _llama_outputs(model: Any) -> Dict[str, Any]:
+def _llama_outputs(model: Any, device: Any = "cpu") -> Dict[str, Any]:
     import torch
 
     from ._models import input_ids
 
-    ids = input_ids()
+    ids = input_ids().to(device)
     with torch.no_grad():
         logits = model(ids).logits
         tokens = model.generate(ids, max_new_tokens=LLAMA_GREEDY_TOKENS, do_sample=False)
@@ -231,11 +262,12 @@ def _compare_llama(loaded: Any, reference: Any) -> float:
 
     from ._models import max_abs_diff
 
-    got, want = _llama_outputs(loaded), _llama_outputs(reference)
+    device = execution_device_of(loaded)
+    got, want = _llama_outputs(loaded, device), _llama_outputs(reference.to(device), device)
     diff = max_abs_diff(got["logits"], want["logits"])
     if diff > LOGITS_TOLERANCE:
         raise AssertionError(f"logits differ from the in-memory model (max abs diff {diff})")
-    if not torch.equal(got["tokens"], want["tokens"]):
+    if not torch.equal(got["tokens"].cpu(), want["tokens"].cpu()):
         raise AssertionError(f"greedy tokens differ: {got['tokens'].tolist()} != {want['tokens'].tolist()}")
     return diff
 
@@ -256,9 +288,11 @@ def load_llama(workdir: Path, tie: bool, **load_kwargs: Any) -> Dict[str, Any]:
         on_meta = [n for n, p in loaded.named_parameters() if p.is_meta]
         if on_meta:
             raise AssertionError(f"{len(on_meta)} parameters left on meta with no device map, e.g. {on_meta[:3]}")
-        return {"max_abs_diff": diff, "devices": sorted({str(p.device) for p in loaded.parameters()})}
+        return {"max_abs_diff": diff, "devices": sorted({str(p.device) for p in loaded.parameters()}),
+                "computed_on": execution_device_of(loaded)}
     check_dispatched(loaded)
-    return {"max_abs_diff": diff, "devices": sorted(map(str, set(device_map.values())))}
+    return {"max_abs_diff": diff, "devices": sorted(map(str, set(device_map.values()))),
+            "computed_on": execution_device_of(loaded)}
 
 
 def tied_llama_models() -> Tuple[Any, Any]:

@@ -15,6 +15,13 @@ compares a forked child's patch sites with a fresh interpreter's). A listed modu
 installed is left out; one that fails to import makes this parent refuse to start (the harness then
 runs that kind of run in a torch-only parent), as a half-imported package is no clean state.
 
+CUDA: a child forked from a process that initialised CUDA cannot use it ("CUDA error: initialization
+error"), so this parent never does. Where the imported torch may meet a GPU, modules that initialise CUDA
+at import (bitsandbytes) are left out of the preload and each child imports them (``_device.preload_plan``;
+the hello line lists them); after the imports the parent checks that CUDA is still untouched
+(``_device.cuda_touched``) and otherwise refuses to start: the harness then tries a torch-only parent,
+which checks the same, and failing that starts a fresh interpreter per run.
+
 Several runs at once: each request line names an id, each reply line carries it; the replies go out on
 the process's original stdout, which carries nothing else (what the parent prints goes to stderr, a
 child's output to its log file). A reply gives the child's CPU time (wait4),
@@ -43,12 +50,26 @@ os.dup2(2, 1)
 PRELOAD = [m for m in os.environ.get("METAPATCH_ZYGOTE_PRELOAD", "").split(",") if m]
 
 
-def _preload() -> list:
+def _device_rules():
+    """metapatch/selftest/_device.py, loaded by path: importing it through the package would run
+    ``metapatch/__init__`` in the torch-only parent, which imports no metapatch."""
+    spec = importlib.util.spec_from_file_location("_metapatch_zygote_device",
+                                                  os.path.join(os.path.dirname(os.path.abspath(__file__)), "_device.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+DEVICE = _device_rules()
+
+
+def _preload() -> tuple:
     sys.path.insert(0, REPO)
     import metapatch  # noqa: F401 - first, as in a fresh child: its hooks see every later import
 
+    wanted, skipped = DEVICE.preload_plan(PRELOAD)
     loaded = []
-    for name in PRELOAD:
+    for name in wanted:
         try:
             if importlib.util.find_spec(name) is None:
                 continue
@@ -56,7 +77,7 @@ def _preload() -> list:
             continue
         importlib.import_module(name)
         loaded.append(name)
-    return loaded
+    return loaded, skipped
 
 
 def _child(request: dict) -> None:
@@ -99,13 +120,22 @@ def _reply(reply: dict) -> None:
     PROTOCOL.flush()
 
 
+def _untouched(imported: list) -> None:
+    """Raises where this process touched CUDA: its children could not use it."""
+    touched = DEVICE.cuda_touched()
+    if touched:
+        raise RuntimeError(f"CUDA is not untouched after importing {', '.join(imported)}: {touched}")
+
+
 def main() -> None:
     try:
-        loaded = _preload() if PRELOAD else []
+        _untouched(["torch"])  # before the (slow) preload: a refusal costs nothing
+        loaded, skipped = _preload() if PRELOAD else ([], {})
+        _untouched(["torch", *loaded])
     except BaseException as exc:  # noqa: BLE001 - the harness falls back to a torch-only parent
         _reply({"ready": False, "error": f"{type(exc).__name__}: {exc}"[:500]})
         return
-    _reply({"ready": True, "preloaded": loaded})
+    _reply({"ready": True, "preloaded": loaded, "skipped": skipped})
     running = {}  # pid -> (request id, deadline)
     selector = selectors.DefaultSelector()
     selector.register(sys.stdin.fileno(), selectors.EVENT_READ)

@@ -18,16 +18,18 @@ def gemma4_dispatch_model(workdir: Path) -> Dict[str, Any]:
     from accelerate import dispatch_model
     from transformers import AutoModelForCausalLM
 
-    from ._models import input_ids
+    from ._device import to_device
+    from ._models import device_input_ids
     from ._peft import _compare, _logits_and_tokens, offload_map, require_gemma4, save_tiny_gemma4
 
     require_gemma4()
     checkpoint = save_tiny_gemma4(workdir / "base")
-    reference = _logits_and_tokens(AutoModelForCausalLM.from_pretrained(checkpoint).eval(), input_ids())
+    ids = device_input_ids()
+    reference = _logits_and_tokens(to_device(AutoModelForCausalLM.from_pretrained(checkpoint).eval()), ids)
     model = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
     dispatch_model(model, device_map=offload_map("gemma4"), offload_dir=str(workdir / "offload"))
     with torch.no_grad():
-        got = _logits_and_tokens(model, input_ids())
+        got = _logits_and_tokens(model, ids)
     return {"max_abs_diff": _compare("dispatch_model", got, reference)}
 
 

@@ -13,7 +13,7 @@ from typing import Any, Dict
 from ._fsdp import compare_ranks, within_measured
 from ._harness import Scenario
 from ._models import input_ids
-from ._ranks import FSDP_ENV, fsdp_accelerator, run_ranks
+from ._ranks import GLOO_RANKS, FSDP_ENV, fsdp_accelerator, run_ranks
 
 PLAIN_BUFFERS = "accelerate-fsdp2-plain-buffers"
 _SEED = 0
@@ -73,5 +73,5 @@ SCENARIOS = [
     Scenario(PLAIN_BUFFERS, "persistent-buffer-prepare", f"{__name__}:persistent_buffer_prepare",
              "a DeepSeek-V3-style MoE gate's persistent e_score_correction_bias through accelerator.prepare with FSDP2 cpu_ram_efficient_loading "
              "(two ranks, gloo): every rank's logits equal one process's",
-             expected_error="AttributeError", expected_message="has no attribute 'device_mesh'"),
+             expected_error="AttributeError", expected_message="has no attribute 'device_mesh'", **GLOO_RANKS),
 ]

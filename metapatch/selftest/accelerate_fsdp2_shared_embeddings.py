@@ -13,7 +13,7 @@ from typing import Any, Dict, Tuple
 from ._fsdp import within_measured
 from ._harness import Scenario
 from ._models import input_ids, max_abs_diff, save_tiny_llama
-from ._ranks import FSDP_ENV, fsdp_accelerator, raise_first_error, run_ranks
+from ._ranks import GLOO_RANKS, FSDP_ENV, fsdp_accelerator, raise_first_error, run_ranks
 
 SHARED_EMBEDDINGS = "accelerate-fsdp2-shared-embeddings"
 _STEP_TOLERANCE = 1e-5  # FSDP2 averages the two ranks' gradients: a different summation order
@@ -118,9 +118,9 @@ SCENARIOS = [
     Scenario(SHARED_EMBEDDINGS, "tied-causal-lm", f"{__name__}:tied_causal_lm",
              "a tied Llama through accelerator.prepare with FSDP2 (two ranks, gloo), one SGD step: every rank equals "
              "one process (accelerate 1.14 + torch 2.13: 'shared with a parameter already managed by another FSDP group')",
-             expected_error="ValueError", expected_message=_SHARED, tolerance=_STEP_TOLERANCE),
+             expected_error="ValueError", expected_message=_SHARED, tolerance=_STEP_TOLERANCE, **GLOO_RANKS),
     Scenario(SHARED_EMBEDDINGS, "bart-three-way-tie", f"{__name__}:bart_three_way_tie",
              "BART's shared/encoder/decoder embed_tokens/lm_head tie through accelerator.prepare with FSDP2 (two ranks, "
              "gloo), one SGD step: every rank equals one process",
-             expected_error="ValueError", expected_message=_SHARED, tolerance=_STEP_TOLERANCE, quick=True),
+             expected_error="ValueError", expected_message=_SHARED, tolerance=_STEP_TOLERANCE, quick=True, **GLOO_RANKS),
 ]

@@ -4,7 +4,9 @@ A tiny random Llama (in memory) gets ``infer_auto_device_map(model, max_memory={
 ``{"": "disk"}``, and a real ``accelerate.dispatch_model(model, device_map, offload_dir=...)``. Upstream
 that fails with ``FileNotFoundError: .../index.json`` (nothing was written to the folder). Fixed means the
 dispatched model's logits, and a greedy continuation computed from them, equal the in-memory model's
-(torch.equal), with every weight left on meta between forwards.
+(torch.equal), with every weight left on meta between forwards. The in-memory model and the dispatch's
+``main_device`` are the execution device (``_device``): on a GPU machine every weight comes from disk to
+GPU 0 at each forward.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any, Dict
 
 from . import NotApplicable
 from ._harness import Scenario
-from ._models import input_ids, tiny_llama_config
+from ._models import device_input_ids, tiny_llama_config
 
 PATCH_ID = "accelerate-root-disk-map"
 
@@ -33,16 +35,18 @@ def inferred_all_on_disk(workdir: Path) -> Dict[str, Any]:
     from accelerate import dispatch_model, infer_auto_device_map
     from transformers import LlamaForCausalLM
 
+    from ._device import main_device, to_device
+
     torch.manual_seed(0)
-    model = LlamaForCausalLM(tiny_llama_config()).eval()
-    ids = input_ids()
+    model = to_device(LlamaForCausalLM(tiny_llama_config()).eval())
+    ids = device_input_ids()
     with torch.no_grad():
         expected, expected_tokens = model(ids).logits, _greedy(model, ids)
     device_map = infer_auto_device_map(model, max_memory={"cpu": 0})
     if dict(device_map) != {"": "disk"}:
         raise AssertionError(f"expected the whole model on disk, infer_auto_device_map gave {dict(device_map)}")
     try:
-        dispatch_model(model, device_map=device_map, offload_dir=str(workdir / "offload"))
+        dispatch_model(model, device_map=device_map, main_device=main_device(), offload_dir=str(workdir / "offload"))
     except ValueError as exc:
         if "offload the whole model to the disk" in str(exc):
             # accelerate <= 1.14: a clear refusal that says what to do, not this bug

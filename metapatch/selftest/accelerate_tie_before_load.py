@@ -7,7 +7,8 @@ the same architecture under ``init_empty_weights`` (not tied there) and loads th
 ``model.tie_weights()`` call the docs add. Upstream: ``ValueError: weight is on the meta device, we need
 a `value` to put in on cpu.`` with an explicit cpu+disk map, ``Cannot copy out of meta tensor`` with
 ``device_map="auto"`` (huggingface/accelerate#1289). Fixed means: the loaded model's logits equal the
-in-memory model's exactly. A guard scenario checks that untied models load exactly as before.
+in-memory model's exactly. A guard scenario checks that untied models load exactly as before. The
+in-memory model and the map's memory entries are on the execution device (``_device``).
 """
 
 from __future__ import annotations
@@ -15,14 +16,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict
 
+from ._device import main_device, to_device
 from ._harness import Scenario
-from ._models import input_ids, tiny_llama_config
+from ._models import device_input_ids, tiny_llama_config
 
 PATCH_ID = "accelerate-tie-before-load"
 
 # Layers 2 and 3 on disk, the tied pair (embedding and head) together in memory: an explicit map a user
 # writes for this model. On a machine without accelerators "cpu" entries are not offloaded; disk is what
-# puts weights behind offload hooks.
+# puts weights behind offload hooks. The memory entries are the execution device's (cpu_disk_map).
 CPU_DISK_MAP = {
     "model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu", "model.layers.1": "cpu",
     "model.layers.2": "disk", "model.layers.3": "disk", "model.norm": "cpu", "lm_head": "cpu",
@@ -30,11 +32,16 @@ CPU_DISK_MAP = {
 NO_SPLIT = ["LlamaDecoderLayer"]
 
 
+def cpu_disk_map() -> Dict[str, Any]:
+    """CPU_DISK_MAP with its memory entries on the execution device (GPU 0 where there is one)."""
+    return {name: main_device() if device == "cpu" else device for name, device in CPU_DISK_MAP.items()}
+
+
 def _logits(model: Any) -> Any:
     import torch
 
     with torch.no_grad():
-        return model(input_ids()).logits
+        return model(device_input_ids()).logits
 
 
 def _save_in_memory_model(workdir: Path, tie: bool) -> Any:
@@ -47,7 +54,7 @@ def _save_in_memory_model(workdir: Path, tie: bool) -> Any:
     if tie and model.lm_head.weight is not model.model.embed_tokens.weight:
         raise AssertionError("the in-memory model was meant to be tied")
     model.save_pretrained(workdir / "ckpt")
-    return _logits(model)
+    return _logits(to_device(model))
 
 
 def _empty_model(tie: bool) -> Any:
@@ -86,7 +93,7 @@ def dispatch_cpu_disk_map(workdir: Path) -> Dict[str, Any]:
     from accelerate import load_checkpoint_and_dispatch
 
     reference = _save_in_memory_model(workdir, tie=True)
-    model = load_checkpoint_and_dispatch(_empty_model(tie=True), str(workdir / "ckpt"), device_map=dict(CPU_DISK_MAP),
+    model = load_checkpoint_and_dispatch(_empty_model(tie=True), str(workdir / "ckpt"), device_map=cpu_disk_map(),
                                          offload_folder=str(workdir / "offload"), no_split_module_classes=NO_SPLIT)
     if not model.model.layers[2].self_attn.q_proj.weight.is_meta:
         raise AssertionError("the device map was meant to offload layers 2 and 3 to disk; they are in memory")
@@ -102,9 +109,9 @@ def load_in_model_then_dispatch(workdir: Path) -> Dict[str, Any]:
     reference = _save_in_memory_model(workdir, tie=True)
     model = _empty_model(tie=True)
     offload_folder = str(workdir / "offload")
-    load_checkpoint_in_model(model, str(workdir / "ckpt"), device_map=dict(CPU_DISK_MAP), offload_folder=offload_folder,
+    load_checkpoint_in_model(model, str(workdir / "ckpt"), device_map=cpu_disk_map(), offload_folder=offload_folder,
                              offload_state_dict=True)
-    model = dispatch_model(model, device_map=dict(CPU_DISK_MAP), offload_dir=offload_folder)
+    model = dispatch_model(model, device_map=cpu_disk_map(), offload_dir=offload_folder)
     return _compare(model, reference, "load_checkpoint_in_model + dispatch_model")
 
 
@@ -116,7 +123,7 @@ def untied_models_unchanged(workdir: Path) -> Dict[str, Any]:
     reference = _save_in_memory_model(workdir, tie=False)
     seen = {}
     for label, device_map, extra in (("auto", "auto", {}),
-                                     ("cpu_disk", dict(CPU_DISK_MAP), {"offload_folder": str(workdir / "offload")})):
+                                     ("cpu_disk", cpu_disk_map(), {"offload_folder": str(workdir / "offload")})):
         model = load_checkpoint_and_dispatch(_empty_model(tie=False), str(workdir / "ckpt"), device_map=device_map,
                                              no_split_module_classes=NO_SPLIT, **extra)
         seen[label] = _compare(model, reference, f"untied model, device_map={label}")

@@ -1,15 +1,17 @@
 """Reproducer for accelerate-unindexed-disk-tensors: a disk-mapped tensor that the checkpoint never holds
 (MarianMT's sinusoidal position table, ``_keys_to_ignore_on_save``) has no entry in the offload index
 transformers builds, and accelerate's hook fails at the first forward; fixed means the logits of two
-forwards equal the in-memory model's (torch.equal)."""
+forwards equal the in-memory model's (torch.equal). The in-memory model and the map's memory entries are on the
+execution device (``_device``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Dict
 
+from ._device import main_device, to_device
 from ._harness import Scenario
-from ._models import input_ids
+from ._models import device_input_ids
 
 PATCH_ID = "accelerate-unindexed-disk-tensors"
 _VOCAB = 64
@@ -33,12 +35,13 @@ def never_saved_table_on_disk(workdir: Path) -> Dict[str, Any]:
                           decoder_start_token_id=0)
     torch.manual_seed(0)
     MarianMTModel(config).save_pretrained(workdir / "ckpt")
-    reference = MarianMTModel.from_pretrained(workdir / "ckpt").eval()
-    loaded = MarianMTModel.from_pretrained(workdir / "ckpt", device_map=_MARIAN_MAP,
+    reference = to_device(MarianMTModel.from_pretrained(workdir / "ckpt").eval())
+    device_map = {name: main_device() if device == "cpu" else device for name, device in _MARIAN_MAP.items()}
+    loaded = MarianMTModel.from_pretrained(workdir / "ckpt", device_map=device_map,
                                            offload_folder=str(workdir / "offload")).eval()
     if not loaded.model.encoder.embed_positions.weight.is_meta:
         raise AssertionError("the device map was meant to put the encoder's position table on disk")
-    ids = input_ids(vocab_size=_VOCAB, length=8)
+    ids = device_input_ids(vocab_size=_VOCAB, length=8)
     with torch.no_grad():
         expected = reference(input_ids=ids, decoder_input_ids=ids).logits
         got = loaded(input_ids=ids, decoder_input_ids=ids).logits

@@ -4,7 +4,11 @@ On a CPU with AVX512-BF16, bitsandbytes >= 0.49 repacks a 4-bit weight for its f
 first eval-mode forward whose input needs no grad. Every scenario reports ``cpu_repack`` (whether
 this CPU takes that path) and prints it: on a CPU without AVX512-BF16 the same checks run on the
 portable kernel, and upstream passes them (nothing is repacked), which the tests assert instead of
-skipping.
+skipping; the metric ``not_reproducible_here`` then says why (``metapatch selftest`` reports n/a).
+
+The repack is a path of bitsandbytes' CPU library, which it loads only where CUDA is absent (its CUDA
+library has no AVX512-BF16 probe): the scenarios are pinned to the CPU (CUDA hidden from their process),
+so a GPU machine shows the bug exactly as a CPU-only one with the same CPU.
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ from typing import Any, Dict, Iterator, List, Tuple
 from ._harness import Scenario
 
 PATCH_ID = "bnb-cpu-repack-copy"
+_CPU_LIBRARY = {"device": "cpu", "device_reason": "bitsandbytes' CPU weight repacking (AVX512-BF16), a path of its "
+                                                  "CPU library, which it loads only where CUDA is absent"}
+NO_REPACK = "bitsandbytes does not repack 4-bit weights on this CPU (no AVX512-BF16): the bug's path is not taken"
 
 
 def cpu_repack() -> bool:
@@ -27,6 +34,11 @@ def cpu_repack() -> bool:
     found = bool(getattr(F, "_convert_weight_packed_for_cpu", None)) and bool(F.has_avx512bf16())
     print(f"bitsandbytes CPU repack path: {'yes' if found else 'no (portable kernel only)'}")
     return found
+
+
+def _path_taken(repack: bool) -> Dict[str, str]:
+    """The metric that tells ``metapatch selftest`` why an unpatched pass proves nothing here."""
+    return {} if repack else {"not_reproducible_here": NO_REPACK}
 
 
 def _sha256(data: bytes) -> str:
@@ -105,7 +117,7 @@ def training_after_eval(workdir: Path) -> Dict[str, Any]:
         raise AssertionError(f"after one no_grad forward, {len(unequal)} LoRA gradients differ from a model "
                              f"never evaluated (max abs diff {diff}), e.g. {unequal[0]} [eval logits sha256 {logits_sha}]")
     return {"max_abs_diff": diff, "cpu_repack": repack, "lora_parameters": len(grads),
-            "eval_logits_sha256": logits_sha}
+            "eval_logits_sha256": logits_sha, **_path_taken(repack)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,7 +176,7 @@ def save_after_forward(workdir: Path) -> Dict[str, Any]:
         if _safetensors_digest(saved) != loaded:
             raise AssertionError(f"{what}: the safetensors files are not byte-equal to the loaded checkpoint")
         files += len(loaded)
-    return {"max_abs_diff": 0.0, "cpu_repack": repack, "files_compared": files}
+    return {"max_abs_diff": 0.0, "cpu_repack": repack, "files_compared": files, **_path_taken(repack)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -392,18 +404,18 @@ SCENARIOS = [
     Scenario(PATCH_ID, "training-after-eval", f"{_HERE}:training_after_eval",
              "QLoRA after one no_grad evaluation: the repacked 4-bit layers have no backward, LoRA "
              "parameters get grad None (CPUs with AVX512-BF16)",
-             expected_error="AssertionError"),
+             expected_error="AssertionError", **_CPU_LIBRARY),
     Scenario(PATCH_ID, "save-after-forward", f"{_HERE}:save_after_forward",
              "save_pretrained of a 4-bit checkpoint after forwards writes what was loaded (sha256 of the "
              "files); upstream converts the repacked state back lossily",
-             expected_error="AssertionError"),
+             expected_error="AssertionError", **_CPU_LIBRARY),
     Scenario(PATCH_ID, "offloaded-layer-matrix", f"{_HERE}:offloaded_layer_matrix",
              "Linear4bit layers offloaded to disk/cpu for nf4/fp4, double quant on/off, every "
              "quant_storage, fp32/bf16 compute and shapes off the repack block: equal to in memory, "
              "state dict byte-equal",
-             expected_error="AssertionError"),
+             expected_error="AssertionError", **_CPU_LIBRARY),
     Scenario(PATCH_ID, "dispatched-models", f"{_HERE}:dispatched_models",
              "a tiny Llama (quant_storage=bfloat16) and Gemma 4 (nf4 double quant) dispatched with disk "
              "layers, and PeftModel.from_pretrained over them: equal to in memory, state dict byte-equal",
-             expected_error="RuntimeError", in_selftest=False),
+             expected_error="RuntimeError", in_selftest=False, **_CPU_LIBRARY),
 ]

@@ -2,10 +2,11 @@
 QuantState (patch ``bnb-quant-state-offload``) and accelerate's emptiness probe
 (patch ``accelerate-emptiness-probe``).
 
-A tiny random Llama is quantized in memory on the CPU (``device_map={"": "cpu"}``), then
-``accelerate.dispatch_model`` sends two decoder layers to ``disk`` (CPU main device), the only
-offload that exists without a GPU; with a GPU the same path runs for layers mapped to ``"cpu"``
-(``cpu_offload_gpu_main``). Outputs must be ``torch.equal`` to the undispatched quantized model.
+A tiny random Llama is quantized in memory on the execution device (``_device``: GPU 0 where there is
+one, else ``device_map={"": "cpu"}``), then ``accelerate.dispatch_model`` sends two decoder layers to
+``disk`` with that device as the main one; with a GPU the same path runs for layers mapped to ``"cpu"``
+(``cpu_offload_gpu_main``). Outputs must be ``torch.equal`` to the undispatched quantized model (the same
+packed weights through the same kernels on the same device).
 """
 
 
@@ -27,7 +28,7 @@ COMBOS_SINGLE_QUANT = (("nf4", False, "float32"), ("fp4", False, "bfloat16"),
 
 
 def forward_matches_reference(workdir: Path, quant_type: str, double_quant: bool, compute_dtype: str,
-                              offload_to: str = "disk", main_device: Any = "cpu") -> Tuple[Dict[str, Any], Any, Any]:
+                              offload_to: str = "disk", main_device: Any = None) -> Tuple[Dict[str, Any], Any, Any]:
     """Dispatch with offloaded 4-bit layers; two forwards (the reload repeats at every forward)
     must equal the undispatched model, without re-quantizing and leaving the weights offloaded.
     Returns (metrics, in-memory reference model, dispatched model)."""
@@ -93,8 +94,10 @@ def quantizes_on(device: Any, quant_type: str) -> bool:
 
 
 def _matrix(workdir: Path, combos: Tuple[Tuple[str, bool, str], ...], **placement: Any) -> Dict[str, Any]:
+    from ._device import main_device
+
     metrics: Dict[str, Any] = {"max_abs_diff": 0.0}
-    device = placement.get("main_device", "cpu")
+    device = placement.get("main_device", main_device())
     unsupported = [c for c in combos if not quantizes_on(device, c[0])]
     if unsupported:
         import bitsandbytes
@@ -210,8 +213,10 @@ def unrecoverable_offset_refused(workdir: Path) -> Dict[str, Any]:
     from bitsandbytes.functional import QuantState
     from safetensors.torch import save_file
 
+    from ._device import execution_device
+
     torch.manual_seed(0)
-    layer = bnb.nn.Linear4bit(64, 32, bias=False, compress_statistics=True, quant_type="nf4").to("cpu")
+    layer = bnb.nn.Linear4bit(64, 32, bias=False, compress_statistics=True, quant_type="nf4").to(execution_device())
     stats = {k[len("weight."):]: v for k, v in layer.state_dict().items() if k.startswith("weight.")}
     layer.weight.quant_state = QuantState.from_dict(stats, device=torch.device("meta"))
     target = workdir / "layer.safetensors"

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Dict
 
 from ._harness import Expect, Scenario
-from ._tied import LOGITS_TOLERANCE, check_dispatched, compare, diffusion_gemma_class, save_tiny
+from ._tied import LOGITS_TOLERANCE, check_dispatched, compare, diffusion_gemma_class, on_main, save_tiny
 
 PATCH_ID = "diffusion-gemma-offloaded-embeddings"
 
@@ -21,7 +21,7 @@ def generate_with_offloaded_embedding(workdir: Path) -> Dict[str, Any]:
     DiffusionGemmaForBlockDiffusion = diffusion_gemma_class()
     path, reference = save_tiny(workdir / "ckpt")
     loaded = DiffusionGemmaForBlockDiffusion.from_pretrained(
-        path, device_map=dict(EMBEDDING_OFFLOAD_MAP), offload_folder=str(workdir / "offload")).eval()
+        path, device_map=on_main(EMBEDDING_OFFLOAD_MAP), offload_folder=str(workdir / "offload")).eval()
     diff = compare(loaded, reference)
     check_dispatched(loaded)
     return {"max_abs_diff": diff}

@@ -12,7 +12,8 @@ Uninitialised memory can by chance hold the right bytes, so the scenarios make i
 the load runs, ``torch.empty_like`` returns memory filled with NaN (``_models.nan_sentinel``, a sentinel
 of the scenario only; the patch detects unwritten buffers by tensor identity and version, never by
 value). Fixed means the loaded model's buffers and logits equal (torch.equal) the model built
-normally in memory.
+normally in memory, both computing on the execution device (``_device``; the two-rank scenario is pinned
+to the CPU).
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from pathlib import Path
 from typing import Any, Dict
 
 from . import NotApplicable
+from ._ranks import GLOO_RANKS
 from ._harness import Scenario
-from ._models import input_ids, max_abs_diff, nan_sentinel
+from ._models import device_input_ids, input_ids, max_abs_diff, nan_sentinel
 
 FROM_PRETRAINED = "empty-built-nonpersistent-buffers"
 _VOCAB = 128
@@ -115,35 +117,43 @@ def save_table_model(path: Path, seed: int = 0) -> Any:
 
 
 def _compare_table(model: Any, reference: Any) -> Dict[str, Any]:
+    """``model`` (as loaded) against the in-memory ``reference`` (built on the CPU, moved to the execution
+    device here): the buffer as the constructor computed it, and the logits."""
     import torch
 
+    from ._device import to_device
+
     got_buffer, want_buffer = model.block.rope.inv_freq, reference.block.rope.inv_freq
-    if not torch.equal(got_buffer.cpu(), want_buffer):
+    if not torch.equal(got_buffer.cpu(), want_buffer.cpu()):
         raise AssertionError(f"block.rope.inv_freq {got_buffer[:4].tolist()}... != constructor's {want_buffer[:4].tolist()}...")
-    ids = input_ids(_VOCAB)
+    ids = device_input_ids(_VOCAB)
     with torch.no_grad():
-        got, want = model(input_ids=ids).logits, reference(input_ids=ids).logits
-    if not torch.equal(got.cpu(), want):
-        raise AssertionError(f"logits differ: max abs diff {max_abs_diff(got.cpu(), want)}")
+        got, want = model(input_ids=ids).logits, to_device(reference)(input_ids=ids).logits
+    if not torch.equal(got.cpu(), want.cpu()):
+        raise AssertionError(f"logits differ: max abs diff {max_abs_diff(got, want)}")
     return {"max_abs_diff": 0.0}
 
 
 def custom_buffer_in_memory(workdir: Path) -> Dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
+    from ._device import to_device
+
     _within_measured()
     reference = save_table_model(workdir / "ckpt")
     with nan_sentinel():
         model = AutoModelForCausalLM.from_pretrained(workdir / "ckpt").eval()
-    return _compare_table(model, reference)
+    return _compare_table(to_device(model), reference)
 
 
 def custom_buffer_offloaded(workdir: Path) -> Dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
+    from ._device import main_device
+
     _within_measured()
     reference = save_table_model(workdir / "ckpt")
-    device_map = {"embed": "cpu", "block": "disk", "head": "cpu"}
+    device_map = {"embed": main_device(), "block": "disk", "head": main_device()}
     with nan_sentinel():
         model = AutoModelForCausalLM.from_pretrained(workdir / "ckpt", device_map=device_map,
                                                      offload_folder=str(workdir / "offload")).eval()
@@ -219,5 +229,5 @@ SCENARIOS = [
              "the same under FSDP cpu_ram_efficient_loading, two ranks (gloo), prepare_model(evaluation_mode=True): "
              "every rank's buffer after load and prepare, and its logits, equal the in-memory model "
              "(unpatched: rank 0 empty_like, rank 1 zeros)",
-             expected_error="AssertionError", in_selftest=False),
+             expected_error="AssertionError", in_selftest=False, **GLOO_RANKS),
 ]

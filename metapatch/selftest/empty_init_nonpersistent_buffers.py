@@ -4,7 +4,8 @@ keeps rotary ``inv_freq`` (a non-persistent buffer, never in a checkpoint) on me
 
 ``to_empty`` runs under ``_models.nan_sentinel`` (``torch.empty_like`` memory filled with NaN), so that
 uninitialised memory cannot by chance hold the right bytes. Fixed means the logits equal
-(torch.equal) the model built normally in memory.
+(torch.equal) the model built normally in memory. Both compute on the execution device (``_device``):
+``to_empty`` goes there, the maps' memory entries are there.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict
 
+from ._device import execution_device, main_device, to_device
 from ._harness import Scenario
-from ._models import input_ids, max_abs_diff, nan_sentinel, tiny_llama_config
+from ._models import device_input_ids, max_abs_diff, nan_sentinel, tiny_llama_config
 
 EMPTY_INIT = "empty-init-nonpersistent-buffers"
 
@@ -39,7 +41,7 @@ def _reference_llama(workdir: Path) -> Any:
     model = LlamaForCausalLM(tiny_llama_config()).eval()
     model.save_pretrained(workdir / "ckpt")
     with torch.no_grad():
-        return model(input_ids()).logits
+        return to_device(model)(device_input_ids()).logits
 
 
 def _dispatched_logits(model: Any, workdir: Path, device_map: Any) -> Any:
@@ -49,24 +51,29 @@ def _dispatched_logits(model: Any, workdir: Path, device_map: Any) -> Any:
     model = load_checkpoint_and_dispatch(model, str(workdir / "ckpt"), device_map=device_map,
                                          offload_folder=str(workdir / "offload")).eval()
     with torch.no_grad():
-        return model(input_ids()).logits
+        return model(device_input_ids()).logits
 
 
 _SPLIT = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk", "model.layers.2": "cpu",
           "model.layers.3": "disk", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
 
 
+def _split() -> Dict[str, Any]:
+    """_SPLIT with its memory entries on the execution device."""
+    return {name: main_device() if device == "cpu" else device for name, device in _SPLIT.items()}
+
+
 def _equal_logits(got: Any, want: Any) -> Dict[str, Any]:
     import torch
 
-    if not torch.equal(got, want):
+    if not torch.equal(got.cpu(), want.cpu()):
         raise AssertionError(f"logits differ: max abs diff {max_abs_diff(got, want)}")
     return {"max_abs_diff": 0.0}
 
 
 def include_buffers_dispatch(workdir: Path) -> Dict[str, Any]:
     want = _reference_llama(workdir)
-    return _equal_logits(_dispatched_logits(_empty_llama(), workdir, _SPLIT), want)
+    return _equal_logits(_dispatched_logits(_empty_llama(), workdir, _split()), want)
 
 
 def to_empty_dispatch(workdir: Path) -> Dict[str, Any]:
@@ -75,11 +82,11 @@ def to_empty_dispatch(workdir: Path) -> Dict[str, Any]:
     want = _reference_llama(workdir)
     model = _empty_llama()
     with nan_sentinel():
-        model.to_empty(device="cpu")
-    got = _dispatched_logits(model, workdir, {"": "cpu"})
+        model.to_empty(device=execution_device())
+    got = _dispatched_logits(model, workdir, {"": main_device()})
     rotary = model.model.rotary_emb
     expected = type(rotary)(config=tiny_llama_config()).inv_freq
-    if not torch.equal(rotary.inv_freq, expected):
+    if not torch.equal(rotary.inv_freq.cpu(), expected):
         raise AssertionError(f"rotary inv_freq {rotary.inv_freq[:4].tolist()}... != constructor's {expected[:4].tolist()}...")
     return _equal_logits(got, want)
 
@@ -110,11 +117,11 @@ def _torch_loaded_logits(model: Any, workdir: Path) -> Any:
     from safetensors.torch import load_file
 
     with nan_sentinel():
-        model.to_empty(device="cpu")
+        model.to_empty(device=execution_device())
     model.load_state_dict(load_file(str(workdir / "ckpt" / "model.safetensors")), strict=False)
     model.tie_weights()
     with torch.no_grad():
-        return model.eval()(input_ids()).logits
+        return model.eval()(device_input_ids()).logits
 
 
 SCENARIOS = [

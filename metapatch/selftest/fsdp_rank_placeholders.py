@@ -17,7 +17,7 @@ from typing import Any, Dict
 from ._fsdp import compare_ranks, within_measured
 from ._harness import Scenario
 from ._models import input_ids, max_abs_diff, save_tiny_llama
-from ._ranks import FSDP_ENV, fsdp_accelerator, raise_first_error, run_ranks
+from ._ranks import GLOO_RANKS, FSDP_ENV, fsdp_accelerator, raise_first_error, run_ranks
 
 PLACEHOLDERS = "fsdp-rank-placeholders"
 _LABELS = 3
@@ -139,9 +139,9 @@ SCENARIOS = [
     Scenario(PLACEHOLDERS, "eval-only-new-head", f"{__name__}:eval_only_new_head",
              "AutoModelForSequenceClassification over a causal-LM checkpoint under FSDP cpu_ram_efficient_loading, "
              "prepare_model(evaluation_mode=True): every rank's logits equal one process's (two ranks, gloo)",
-             expected_error="AssertionError", expected_message=r"'rank0_logits_diff': 0\.0"),  # rank 1 differs
+             expected_error="AssertionError", expected_message=r"'rank0_logits_diff': 0\.0", **GLOO_RANKS),  # rank 1 differs
     Scenario(PLACEHOLDERS, "train-step-new-head", f"{__name__}:train_step_new_head",
              "the same model through accelerator.prepare, one SGD step, full state dict saved on rank 0 and "
              "reloaded: equal to one process on every rank (must pass unpatched too)",
-             in_selftest=False),
+             in_selftest=False, **GLOO_RANKS),
 ]

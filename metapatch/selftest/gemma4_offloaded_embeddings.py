@@ -6,7 +6,8 @@ embedding ``embed_tokens`` on disk and everything else in memory. Gemma 4 reads 
 directly (the pad embedding in ``Gemma4Model.forward``; the reverse lookup of ``inputs_embeds`` in
 ``Gemma4TextModel.get_per_layer_inputs``), so upstream meets the meta placeholder: ``RuntimeError: Tensor
 on device meta is not on the expected device cpu!``. Fixed means: logits and greedy ``generate()`` equal
-the in-memory model's (torch.equal).
+the in-memory model's (torch.equal). "In memory" is the execution device (``_device``), for the loaded
+model's map and the reference alike.
 
 Untied embeddings and no KV-shared layers keep other offload bugs (accelerate-dispatch-skip-keys, the
 tied-device-map patches) out of these scenarios, so the unpatched run fails on this bug alone.
@@ -18,8 +19,9 @@ from pathlib import Path
 from typing import Any, Dict
 
 from . import NotApplicable
+from ._device import main_device, to_device
 from ._harness import Scenario
-from ._models import input_ids
+from ._models import input_ids, max_abs_diff
 
 PATCH_ID = "gemma4-offloaded-embeddings"
 _NEW_TOKENS = 4
@@ -56,19 +58,21 @@ def tiny_multimodal_config() -> Any:
                         eoa_token_index=125, audio_token_id=126, tie_word_embeddings=False)
 
 
-def _embedding_on_disk(model: Any, text_model_path: str) -> Dict[str, str]:
-    """Every child of the text model in memory but embed_tokens, which goes to disk; the rest in memory."""
-    device_map: Dict[str, str] = {}
+def _embedding_on_disk(model: Any, text_model_path: str) -> Dict[str, Any]:
+    """Every child of the text model in memory (the execution device) but embed_tokens, which goes to disk;
+    the rest in memory."""
+    memory = main_device()
+    device_map: Dict[str, Any] = {}
     text_model = model.get_submodule(text_model_path)
     for name, _ in text_model.named_children():
-        device_map[f"{text_model_path}.{name}"] = "disk" if name == "embed_tokens" else "cpu"
+        device_map[f"{text_model_path}.{name}"] = "disk" if name == "embed_tokens" else memory
     parent, _, _ = text_model_path.rpartition(".")
     for owner in (parent, ""):
         module = model.get_submodule(owner)
         for name, _ in module.named_children():
             path = f"{owner}.{name}" if owner else name
             if not any(key == path or key.startswith(path + ".") or path.startswith(key + ".") for key in device_map):
-                device_map[path] = "cpu"
+                device_map[path] = memory
     return device_map
 
 
@@ -82,18 +86,18 @@ def _save_and_reload(workdir: Path, cls: Any, config: Any, text_model_path: str)
                                  offload_folder=str(workdir / "offload")).eval()
     if not loaded.get_submodule(f"{text_model_path}.embed_tokens").weight.is_meta:
         raise AssertionError("the device map was meant to offload embed_tokens to disk; it is in memory")
-    return reference, loaded
+    return to_device(reference), loaded
 
 
 def _prompt() -> Any:
-    return input_ids(vocab_size=100, length=8)  # ids below the special tokens
+    return to_device(input_ids(vocab_size=100, length=8))  # ids below the special tokens
 
 
 def _check_equal(what: str, got: Any, expected: Any) -> None:
     import torch
 
-    if not torch.equal(got, expected):
-        detail = got.tolist() if got.dtype == torch.long else f"max abs diff {float((got - expected).abs().max())}"
+    if not torch.equal(got.cpu(), expected.cpu()):
+        detail = got.tolist() if got.dtype == torch.long else f"max abs diff {max_abs_diff(got, expected)}"
         raise AssertionError(f"{what} with the embedding offloaded differs from the in-memory model: {detail}")
 
 

@@ -112,7 +112,9 @@ SCENARIOS = [
              "as the converter writes it, and with torch functions) equals the eager result bit for bit "
              "(n/a without the gguf package)",
              expected_error="RuntimeError",
-             expected_message="Tensor on device cpu is not on the expected device meta!"),
+             expected_message="Tensor on device cpu is not on the expected device meta!", device="cpu",
+             device_reason="llama.cpp's converter computes on the CPU: lazy meta stand-ins and eager CPU tensors, "
+                           "no model on a device"),
 ]
 
 

@@ -5,7 +5,8 @@ layers 1 and 3 on disk, then converted with ``model.to(torch.bfloat16)`` (and ``
 device>, torch.float16)``). Upstream, accelerate's guard on ``model.to`` refuses: ``RuntimeError: You
 can't move a model that has some modules offloaded to cpu or disk.`` although nothing would move. Fixed
 means: logits and greedy ``generate()`` equal the in-memory model converted the same way (torch.equal),
-the offloaded layers are still offloaded, and a real device move is still refused.
+the offloaded layers are still offloaded, and a real device move is still refused. The map's memory
+entries and the reference are on the execution device (``_device``).
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from pathlib import Path
 from typing import Any, Dict
 
 from . import NotApplicable
+from ._device import execution_device, main_device, to_device
 from ._harness import Scenario
-from ._models import input_ids, save_tiny_llama
+from ._models import device_input_ids, max_abs_diff, save_tiny_llama
 
 PATCH_ID = "offloaded-dtype-conversion"
 REFUSAL = "You can't move a model that has some modules offloaded"  # accelerate's guard on model.to
@@ -33,23 +35,23 @@ def _convert_and_compare(workdir: Path, convert: Any) -> Dict[str, Any]:
         # 4.x dispatches inside from_pretrained itself: the patch has no place to attach (the bug is there too)
         raise NotApplicable("needs transformers >= 5.0 (from_pretrained dispatching through accelerate_dispatch)")
     checkpoint = save_tiny_llama(workdir / "ckpt")
-    reference = convert(AutoModelForCausalLM.from_pretrained(checkpoint).eval())
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, device_map=_MAP,
+    reference = convert(to_device(AutoModelForCausalLM.from_pretrained(checkpoint).eval()))
+    device_map = {name: main_device() if device == "cpu" else device for name, device in _MAP.items()}
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, device_map=device_map,
                                                  offload_folder=str(workdir / "offload")).eval()
     converted = convert(model)
     if converted is not model:
         raise AssertionError("to() returned another object than the model")
     if not model.model.layers[1].self_attn.q_proj.weight.is_meta:
         raise AssertionError("the conversion loaded the offloaded layers into memory")
-    ids = input_ids()
+    ids = device_input_ids()
     kwargs = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False)
     with torch.no_grad():
         got, expected = model(ids).logits, reference(ids).logits
-        if got.dtype != expected.dtype or not torch.equal(got, expected):
-            raise AssertionError(f"logits {got.dtype} vs {expected.dtype}, max abs diff "
-                                 f"{float((got.float() - expected.float()).abs().max())}")
+        if got.dtype != expected.dtype or not torch.equal(got.cpu(), expected.cpu()):
+            raise AssertionError(f"logits {got.dtype} vs {expected.dtype}, max abs diff {max_abs_diff(got, expected)}")
         tokens, expected_tokens = model.generate(ids, **kwargs), reference.generate(ids, **kwargs)
-        if not torch.equal(tokens, expected_tokens):
+        if not torch.equal(tokens.cpu(), expected_tokens.cpu()):
             raise AssertionError(f"generate() gave {tokens.tolist()}, in memory {expected_tokens.tolist()}")
     try:
         model.to("meta")
@@ -69,10 +71,10 @@ def to_dtype(workdir: Path) -> Dict[str, Any]:
 
 
 def to_own_device_and_dtype(workdir: Path) -> Dict[str, Any]:
-    """model.to("cpu", torch.float16) where cpu is the execution device: nothing moves."""
+    """model.to(<execution device>, torch.float16) ("cpu", or "cuda:0" on a GPU machine): nothing moves."""
     import torch
 
-    return _convert_and_compare(workdir, lambda m: m.to("cpu", torch.float16))
+    return _convert_and_compare(workdir, lambda m: m.to(execution_device(), torch.float16))
 
 
 SCENARIOS = [

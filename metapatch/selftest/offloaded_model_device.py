@@ -7,7 +7,8 @@ placeholder between forward passes, so ``model.device`` says ``meta`` and the us
 ``Tensor.item() cannot be called on meta tensors`` (QwenLM/Qwen2.5-Omni#110, huggingface/diffusers#13096).
 Fixed means: the idiom works and generates exactly the in-memory model's tokens. A second scenario
 guards what must not change: models that are not offloaded (in memory, dispatched without offload, or
-built on meta under ``init_empty_weights``) keep upstream's answer.
+built on meta under ``init_empty_weights``) keep upstream's answer. "In memory" is the execution device
+(``_device``): on a GPU machine ``model.device`` must say ``cuda:0``.
 """
 
 from __future__ import annotations
@@ -15,19 +16,25 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict
 
+from ._device import execution_device, main_device, to_device
 from ._harness import Scenario
 from ._models import input_ids, save_tiny_llama
 
 PATCH_ID = "offloaded-model-device"
 _NEW_TOKENS = 6
 
-# The embedding (the first parameter of a Llama) on disk, everything else in memory. On a machine
-# without accelerators "cpu" entries are not offloaded, so disk is what puts the embedding behind an
-# offload hook everywhere.
+# The embedding (the first parameter of a Llama) on disk, everything else in memory (the execution device,
+# _in_memory). On a machine without accelerators "cpu" entries are not offloaded, so disk is what puts the
+# embedding behind an offload hook everywhere.
 EMBEDDING_ON_DISK = {
     "model.embed_tokens": "disk", "model.rotary_emb": "cpu", "model.layers": "cpu", "model.norm": "cpu",
     "lm_head": "cpu",
 }
+
+
+def _in_memory(device_map: Dict[str, Any]) -> Dict[str, Any]:
+    """``device_map`` with its memory entries on the execution device."""
+    return {name: main_device() if device == "cpu" else device for name, device in device_map.items()}
 
 
 def _load(workdir: Path, **kwargs: Any) -> Any:
@@ -59,15 +66,15 @@ def generate_with_offloaded_embedding(workdir: Path) -> Dict[str, Any]:
     import torch
 
     save_tiny_llama(workdir / "ckpt")
-    reference_model = _load(workdir)
+    reference_model = to_device(_load(workdir))
     reference = _generate(reference_model, _prompt().to(reference_model.device))
-    model = _load(workdir, device_map=dict(EMBEDDING_ON_DISK), offload_folder=str(workdir / "offload"))
+    model = _load(workdir, device_map=_in_memory(EMBEDDING_ON_DISK), offload_folder=str(workdir / "offload"))
     if not model.model.embed_tokens.weight.is_meta:
         raise AssertionError("the device map was meant to offload model.embed_tokens to disk; it is in memory")
     device = model.device
     inputs = _prompt().to(device)  # the README's idiom
     tokens = _generate(model, inputs)
-    if not torch.equal(tokens, reference):
+    if not torch.equal(tokens.cpu(), reference.cpu()):
         raise AssertionError(f"generate() with the embedding offloaded: {tokens.tolist()} != in-memory "
                              f"{reference.tolist()}")
     return {"max_abs_diff": 0.0, "model_device": str(device), "inner_model_device": str(model.model.device)}
@@ -85,15 +92,16 @@ def device_unchanged_when_not_offloaded(workdir: Path) -> Dict[str, Any]:
 
     save_tiny_llama(workdir / "ckpt")
     seen = {
-        "in_memory": _load(workdir).device,
-        "dispatched_cpu": _load(workdir, device_map={"": "cpu"}).device,
-        "later_layers_on_disk": _load(workdir, offload_folder=str(workdir / "offload"), device_map={
+        "in_memory": to_device(_load(workdir)).device,
+        "dispatched_cpu": _load(workdir, device_map={"": main_device()}).device,
+        "later_layers_on_disk": _load(workdir, offload_folder=str(workdir / "offload"), device_map=_in_memory({
             "model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu", "model.layers.1": "cpu",
-            "model.layers.2": "disk", "model.layers.3": "disk", "model.norm": "cpu", "lm_head": "cpu"}).device,
+            "model.layers.2": "disk", "model.layers.3": "disk", "model.norm": "cpu", "lm_head": "cpu"})).device,
     }
     with init_empty_weights():
         seen["init_empty_weights"] = LlamaForCausalLM(tiny_llama_config()).device
-    expected = {"in_memory": "cpu", "dispatched_cpu": "cpu", "later_layers_on_disk": "cpu",
+    memory = execution_device()
+    expected = {"in_memory": memory, "dispatched_cpu": memory, "later_layers_on_disk": memory,
                 "init_empty_weights": "meta"}
     wrong = {k: str(v) for k, v in seen.items() if v != torch.device(expected[k])}
     if wrong:

@@ -5,7 +5,9 @@ two decoder layers on disk (their parameters become meta placeholders behind acc
 hooks). Moving it to a device through any path other than accelerate's own top-level guard gives
 torch's raw ``NotImplementedError: Cannot copy out of meta tensor; no data!`` upstream. Fixed means:
 every path raises an error that says the weights are offloaded and what to do (``device_map``), and
-the model still computes exactly the in-memory reference afterwards.
+the model still computes exactly the in-memory reference afterwards. The map's memory entries and the
+reference are on the execution device (``_device``); the refused moves go to ``cpu`` on every machine (on
+a GPU machine, away from it).
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Tuple
 
+from ._device import execution_device, main_device, to_device
 from ._harness import Scenario
-from ._models import input_ids, max_abs_diff, save_tiny_llama
+from ._models import device_input_ids, max_abs_diff, save_tiny_llama
 
 PATCH_ID = "offloaded-move-guard"
 
@@ -33,7 +36,8 @@ def _load(workdir: Path, **kwargs: Any) -> Any:
 
 
 def _offloaded(workdir: Path) -> Any:
-    model = _load(workdir, device_map=DEVICE_MAP, offload_folder=str(workdir / "offload"))
+    device_map = {name: main_device() if device == "cpu" else device for name, device in DEVICE_MAP.items()}
+    model = _load(workdir, device_map=device_map, offload_folder=str(workdir / "offload"))
     meta = [n for n, p in model.named_parameters() if p.is_meta]
     assert meta, "the device map was meant to offload layers 2 and 3 to disk; nothing is on meta"
     return model
@@ -43,7 +47,7 @@ def _logits(model: Any) -> Any:
     import torch
 
     with torch.no_grad():
-        return model(input_ids()).logits
+        return model(device_input_ids()).logits
 
 
 def is_raw_meta_copy_error(exc: BaseException) -> bool:
@@ -83,7 +87,7 @@ def move_offloaded_submodule(workdir: Path) -> Dict[str, Any]:
     import torch
 
     save_tiny_llama(workdir / "ckpt")
-    reference = _logits(_load(workdir))
+    reference = _logits(to_device(_load(workdir)))
     model = _offloaded(workdir)
     return _check_moves(model, reference, [
         ("model.model.to('cpu')", lambda: model.model.to("cpu")),
@@ -102,7 +106,7 @@ def move_offloaded_peft_model(workdir: Path) -> Dict[str, Any]:
     save_tiny_llama(workdir / "ckpt")
     # LoRA on the layers that stay in memory: adapters on offloaded layers are a different issue.
     config = LoraConfig(r=4, target_modules=r".*layers\.[01]\.self_attn\.(q_proj|v_proj)", init_lora_weights=False)
-    reference_model = get_peft_model(_load(workdir), config)
+    reference_model = get_peft_model(to_device(_load(workdir)), config)
     adapter = get_peft_model_state_dict(reference_model)
     reference = _logits(reference_model)
     peft_model = get_peft_model(_offloaded(workdir), config)
@@ -116,16 +120,20 @@ def moves_that_keep_working(workdir: Path) -> Dict[str, Any]:
     import torch
 
     save_tiny_llama(workdir / "ckpt")
-    half_reference = _logits(_load(workdir).half())
+    half_reference = _logits(to_device(_load(workdir)).half())
     offloaded = _offloaded(workdir).half()
     half_diff = max_abs_diff(_logits(offloaded), half_reference)
     if half_diff != 0:
         raise AssertionError(f".half() on an offloaded model: logits differ from in-memory .half() by {half_diff}")
-    reference = _logits(_load(workdir))
-    dispatched = _load(workdir, device_map={"": "cpu"})
-    dispatched.model.to("cpu")
-    torch.nn.Module.to(dispatched, "cpu", torch.float32)
-    dispatched.lm_head.cpu()
+    reference = _logits(to_device(_load(workdir)))
+    device = execution_device()
+    dispatched = _load(workdir, device_map={"": main_device()})
+    dispatched.model.to(device)
+    torch.nn.Module.to(dispatched, device, torch.float32)
+    if device == "cpu":
+        dispatched.lm_head.cpu()
+    else:
+        dispatched.lm_head.cuda(device)
     moved_diff = max_abs_diff(_logits(dispatched), reference)
     if moved_diff != 0:
         raise AssertionError(f"moving a dispatched, not offloaded model changed its logits by {moved_diff}")

@@ -7,7 +7,8 @@ forward makes every kind of read the mechanism serves: ``input_ids.to(self.embed
 ``self.embed.weight[pad_token_id]``, ``self.norm.bias`` added outside the norm, and a child's method other
 than ``forward`` (``self.experts.mix(x)``, whose body reads the experts' own weight). With ``embed``,
 ``experts`` and ``norm`` on disk, upstream fails (``Cannot copy out of meta tensor``); fixed means logits
-and greedy ``generate()`` equal the in-memory model's (torch.equal).
+and greedy ``generate()`` equal the in-memory model's (torch.equal). The maps' memory entries and the
+reference are on the execution device (``_device``).
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict
 
+from ._device import main_device, to_device
 from ._harness import Scenario
-from ._models import input_ids
+from ._models import device_input_ids, max_abs_diff
 
 PATCH_ID = "offloaded-outside-reads"
 _NEW_TOKENS = 4
@@ -77,17 +79,29 @@ def reader_classes() -> Any:
     return ReaderConfig, ReaderModel
 
 
+def _in_memory(device_map: Dict[str, str]) -> Dict[str, Any]:
+    """``device_map`` with its memory entries on the execution device."""
+    return {name: main_device() if device == "cpu" else device for name, device in device_map.items()}
+
+
+def _equal(got: Any, expected: Any) -> bool:
+    import torch
+
+    return torch.equal(got.cpu(), expected.cpu())
+
+
 def _reference_and_offloaded(classes: Any, workdir: Path, device_map: Dict[str, str]) -> Any:
-    """(the random in-memory model, the same checkpoint loaded with ``device_map`` and an offload folder)."""
+    """(the random in-memory model on the execution device, the same checkpoint loaded with ``device_map``
+    (memory entries on the execution device) and an offload folder)."""
     import torch
 
     config_class, model_class = classes
     torch.manual_seed(0)
     reference = model_class(config_class()).eval()
     reference.save_pretrained(workdir / "ckpt")
-    loaded = model_class.from_pretrained(workdir / "ckpt", device_map=device_map,
+    loaded = model_class.from_pretrained(workdir / "ckpt", device_map=_in_memory(device_map),
                                          offload_folder=str(workdir / "offload")).eval()
-    return reference, loaded
+    return to_device(reference), loaded
 
 
 def remote_code_reads(workdir: Path) -> Dict[str, Any]:
@@ -97,14 +111,14 @@ def remote_code_reads(workdir: Path) -> Dict[str, Any]:
     reference, loaded = _reference_and_offloaded(reader_classes(), workdir, _DEVICE_MAP)
     if not (loaded.embed.weight.is_meta and loaded.experts.weight.is_meta):
         raise AssertionError("the device map was meant to put embed and experts on disk")
-    ids = input_ids(vocab_size=_VOCAB, length=8)
+    ids = device_input_ids(vocab_size=_VOCAB, length=8)
     kwargs = dict(max_new_tokens=_NEW_TOKENS, min_new_tokens=_NEW_TOKENS, do_sample=False, pad_token_id=0, use_cache=False)
     with torch.no_grad():
         got, expected = loaded(input_ids=ids).logits, reference(input_ids=ids).logits
-        if not torch.equal(got, expected):
-            raise AssertionError(f"logits differ: max abs diff {float((got - expected).abs().max())}")
+        if not _equal(got, expected):
+            raise AssertionError(f"logits differ: max abs diff {max_abs_diff(got, expected)}")
         tokens, expected_tokens = loaded.generate(ids, **kwargs), reference.generate(ids, **kwargs)
-        if not torch.equal(tokens, expected_tokens):
+        if not _equal(tokens, expected_tokens):
             raise AssertionError(f"generate() gave {tokens.tolist()}, in memory {expected_tokens.tolist()}")
     if not (loaded.embed.weight.is_meta and loaded.experts.weight.is_meta):
         raise AssertionError("the offloaded weights stayed loaded after the forward")
@@ -140,16 +154,16 @@ def prophetnet_decoder_on_disk(workdir: Path) -> Dict[str, Any]:
     torch.manual_seed(0)
     reference = ProphetNetForCausalLM(config).eval()
     reference.save_pretrained(workdir / "ckpt")
-    loaded = ProphetNetForCausalLM.from_pretrained(workdir / "ckpt", device_map=_PROPHETNET_MAP,
+    loaded = ProphetNetForCausalLM.from_pretrained(workdir / "ckpt", device_map=_in_memory(_PROPHETNET_MAP),
                                                    offload_folder=str(workdir / "offload")).eval()
     decoder = loaded.prophetnet.decoder
     if not (decoder.position_embeddings.weight.is_meta and decoder.ngram_embeddings.weight.is_meta):
         raise AssertionError("the device map was meant to put the decoder's embeddings on disk")
-    ids = input_ids(vocab_size=_VOCAB, length=8)
+    ids = device_input_ids(vocab_size=_VOCAB, length=8)
     with torch.no_grad():
-        got, expected = loaded(input_ids=ids).logits, reference(input_ids=ids).logits
-    if not torch.equal(got, expected):
-        raise AssertionError(f"logits differ: max abs diff {float((got - expected).abs().max())}")
+        got, expected = loaded(input_ids=ids).logits, to_device(reference)(input_ids=ids).logits
+    if not _equal(got, expected):
+        raise AssertionError(f"logits differ: max abs diff {max_abs_diff(got, expected)}")
     if not decoder.position_embeddings.weight.is_meta:
         raise AssertionError("the position embedding stayed loaded after the forward")
     return {"max_abs_diff": 0.0}
@@ -212,12 +226,12 @@ def own_tensor_mapped_alone(workdir: Path) -> Dict[str, Any]:
     reference, loaded = _reference_and_offloaded(split_classes(), workdir, _SPLIT_MAP)
     if not loaded.model.scale.is_meta:
         raise AssertionError("the device map was meant to put model.scale on disk")
-    ids = input_ids(vocab_size=_VOCAB, length=8)
+    ids = device_input_ids(vocab_size=_VOCAB, length=8)
     with torch.no_grad():
         got, expected = loaded(input_ids=ids).logits, reference(input_ids=ids).logits
         again = loaded(input_ids=ids).logits
-    if not (torch.equal(got, expected) and torch.equal(again, expected)):
-        raise AssertionError(f"logits differ: max abs diff {float((got - expected).abs().max())}")
+    if not (_equal(got, expected) and _equal(again, expected)):
+        raise AssertionError(f"logits differ: max abs diff {max_abs_diff(got, expected)}")
     if not loaded.model.scale.is_meta:
         raise AssertionError("the offloaded parameter stayed loaded after the forward")
     return {"max_abs_diff": 0.0}

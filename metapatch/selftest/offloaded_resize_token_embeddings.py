@@ -4,7 +4,9 @@ input embedding and head accelerate offloaded to disk (huggingface/transformers#
 A tiny Llama (untied, or with ``tie_word_embeddings=True``) is saved as a random safetensors checkpoint and
 loaded with a real ``from_pretrained(device_map=..., offload_folder=...)`` that puts ``model.embed_tokens``,
 ``lm_head`` and layers 2-3 on disk. The same resizes run, under the same seeds, on the in-memory model.
-Fixed means, compared with ``torch.equal`` (no tolerance: the same float operations on the same CPU):
+Fixed means, compared with ``torch.equal`` (no tolerance: the same float operations on the same device; the
+map's memory entries and the in-memory model are on the execution device, ``_device``, where the resize runs,
+its random rows drawn from that device's generator):
 
 * the resized embedding (read through its own forward, so through the offload hook) and the head equal
   the in-memory model's: the first ``old_vocab`` rows are the checkpoint's rows, the new rows are what
@@ -39,31 +41,36 @@ DEVICE_MAP = {
 
 
 def _prompt(vocab: int) -> Any:
-    """Token ids over the whole resized vocabulary, new ids included."""
+    """Token ids over the whole resized vocabulary, new ids included, on the execution device."""
     import torch
 
+    from ._device import to_device
     from ._models import input_ids
 
     ids = input_ids(vocab_size=min(OLD_VOCAB, vocab))
     new_ids = torch.arange(OLD_VOCAB, vocab)[:4] if vocab > OLD_VOCAB else torch.tensor([vocab - 1])
-    return torch.cat([ids, new_ids[None, :]], dim=1)
+    return to_device(torch.cat([ids, new_ids[None, :]], dim=1))
 
 
 def _observed(model: Any) -> Dict[str, Any]:
     """What a user sees of the resized model: embedding rows through the embedding's forward (its hook
-    loads the offloaded weight), the head's rows as logits of unit hidden states, logits and tokens."""
+    loads the offloaded weight), the head's rows as logits of unit hidden states, logits and tokens (read
+    back on the CPU)."""
     import torch
 
+    from ._device import execution_device
+
+    device = execution_device()
     vocab = model.config.vocab_size
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     ids = _prompt(vocab)
     with torch.no_grad():
         hidden = embedding.weight.shape[1]
         return {
-            "embedding": embedding(torch.arange(vocab)[None, :])[0],
-            "head": head(torch.eye(hidden)[None, :, :])[0].T,
-            "logits": model(input_ids=ids).logits,
-            "tokens": model.generate(input_ids=ids, max_new_tokens=4, do_sample=False),
+            "embedding": embedding(torch.arange(vocab, device=device)[None, :])[0].cpu(),
+            "head": head(torch.eye(hidden, device=device)[None, :, :])[0].T.cpu(),
+            "logits": model(input_ids=ids).logits.cpu(),
+            "tokens": model.generate(input_ids=ids, max_new_tokens=4, do_sample=False).cpu(),
             "shapes": (tuple(embedding.weight.shape), tuple(head.weight.shape)),
         }
 
@@ -88,19 +95,21 @@ def run_resizes(workdir: Path, tied: bool, calls: List[Dict[str, Any]]) -> Dict[
     from safetensors.torch import load_file
     from transformers import LlamaForCausalLM
 
+    from ._device import main_device, to_device
     from ._models import max_abs_diff, save_tiny_llama
     from ._peft import _SideEffects
 
     checkpoint = save_tiny_llama(workdir / "ckpt", tie_word_embeddings=tied)
     original_rows = load_file(str(checkpoint / "model.safetensors"))["model.embed_tokens.weight"]
 
-    reference_model = LlamaForCausalLM.from_pretrained(checkpoint).eval()
+    reference_model = to_device(LlamaForCausalLM.from_pretrained(checkpoint).eval())
     _resize_all(reference_model, calls)
     reference = _observed(reference_model)
     reference_tied = reference_model.lm_head.weight is reference_model.model.embed_tokens.weight
     del reference_model
 
-    model = LlamaForCausalLM.from_pretrained(checkpoint, device_map=DEVICE_MAP,
+    device_map = {name: main_device() if device == "cpu" else device for name, device in DEVICE_MAP.items()}
+    model = LlamaForCausalLM.from_pretrained(checkpoint, device_map=device_map,
                                              offload_folder=str(workdir / "offload")).eval()
     if not model.model.embed_tokens.weight.is_meta:
         raise AssertionError("the device map was meant to offload the embedding to disk; it is not on meta")

@@ -7,7 +7,10 @@ A tiny Llama and a tiny Gemma 4 (``Gemma4ForCausalLM``, text config with ``num_k
 0``) are saved as random safetensors checkpoints, loaded with a device map that holds ``cpu`` and
 ``disk`` entries (``offload_folder`` in the work directory), and given a LoRA adapter with non-zero
 weights (``init_lora_weights=False``) through ``PeftModel.from_pretrained``. Logits and a short
-greedy ``generate`` are compared with the same adapter on the in-memory base.
+greedy ``generate`` are compared with the same adapter on the in-memory base. The map's memory entries
+and the in-memory base are on the execution device (``_device``; on a GPU machine the map is GPU 0, cpu
+and disk: ``_peft.offload_map``), and PEFT's ``max_memory`` budgets are given there
+(``_device.memory_budget``).
 
 Every scenario also checks what the load wrote: the checkpoint's files must keep their hashes, the
 working directory must not gain anything, and inside the work directory only the offload folders
@@ -22,6 +25,7 @@ from typing import Any, Dict
 
 from . import NotApplicable
 from ._harness import Scenario
+from ._peft_training import GPU_STEP_REASON, GPU_STEP_TOLERANCE
 from ._peft import (_compare, _listing, _logits_and_tokens, _save_checkpoint, _SideEffects, offload_map,
                     require_gemma4, save_adapter)
 
@@ -38,10 +42,11 @@ def _reference(arch: str, checkpoint: Path, adapters: list) -> tuple:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from ._models import input_ids
+    from ._device import to_device
+    from ._models import device_input_ids
 
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(checkpoint), adapters[0]).eval()
-    ids = input_ids()
+    model = PeftModel.from_pretrained(to_device(AutoModelForCausalLM.from_pretrained(checkpoint)), adapters[0]).eval()
+    ids = device_input_ids()
     first = _logits_and_tokens(model, ids)
     if len(adapters) == 1:
         return first, None, None
@@ -53,14 +58,16 @@ def _reference(arch: str, checkpoint: Path, adapters: list) -> tuple:
 
 
 def _peft_kwargs(kind: str, workdir: Path, arch: str) -> Dict[str, Any]:
+    from ._device import memory_budget
+
     if kind == "default":
         return {}
     if kind == "max-memory-small":
         # Room for about half the model: the rest goes to disk, which needs a folder of its own.
         budget = 400_000 if arch == "llama" else 500_000
-        return {"max_memory": {"cpu": budget}, "offload_dir": str(workdir / "peft_offload")}
+        return {"max_memory": memory_budget(budget), "offload_dir": str(workdir / "peft_offload")}
     if kind == "max-memory-large":
-        return {"max_memory": {"cpu": 10 ** 9}}
+        return {"max_memory": memory_budget(10 ** 9)}
     if kind == "low-cpu-mem-usage":
         # PEFT creates the adapter on meta and assigns the loaded values (no random init first).
         return {"low_cpu_mem_usage": True}
@@ -97,7 +104,7 @@ def _load_offloaded(workdir: Path, arch: str, kind: str, checkpoint: Path, adapt
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from ._models import input_ids
+    from ._models import device_input_ids
 
     workdir.mkdir()
     base = AutoModelForCausalLM.from_pretrained(checkpoint, device_map=offload_map(arch),
@@ -107,7 +114,7 @@ def _load_offloaded(workdir: Path, arch: str, kind: str, checkpoint: Path, adapt
     metrics: Dict[str, Any] = {}
     try:
         model = PeftModel.from_pretrained(base, adapters[0], **_peft_kwargs(kind, workdir, arch)).eval()
-        ids = input_ids()
+        ids = device_input_ids()
         metrics[f"{kind}:max_abs_diff"] = _compare(f"{kind}: adapter", _logits_and_tokens(model, ids), reference[0])
         if len(adapters) > 1:
             empty = {"low_cpu_mem_usage": True} if kind == "low-cpu-mem-usage" else {}
@@ -165,10 +172,11 @@ def gpu_4bit_cpu_parts(workdir: Path) -> Dict[str, Any]:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
+    from ._device import on_gpu
     from ._models import input_ids, max_abs_diff, save_tiny_llama
 
-    if not torch.cuda.is_available():
-        raise NotApplicable("needs a CUDA device")
+    if not on_gpu():
+        raise NotApplicable("needs a CUDA device (the execution device is the CPU here)")
     checkpoint = save_tiny_llama(workdir / "base")
     adapter = save_adapter("llama", checkpoint, workdir / "adapter", seed=3)
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
@@ -224,11 +232,12 @@ SCENARIOS = [
              "one LoRA SGD step over a Llama with layers 2-3 on disk: gradients and updates equal to the "
              "in-memory step, base weights, checkpoint and offload files unchanged; upstream the adapters of the disk "
              "layers are on meta (MmBackward0 returned an invalid gradient ... expected device meta)",
-             expected_error="RuntimeError"),
+             expected_error="RuntimeError", gpu_tolerance=GPU_STEP_TOLERANCE, tolerance_reason=GPU_STEP_REASON),
     Scenario(REDISPATCH, "train-step-nf4", f"{_TRAINING}:nf4_double_quant_step",
              "one LoRA SGD step over a 4-bit nf4 double-quant Llama with layers 2-3 dispatched to disk (upstream the "
              "dispatch already fails: Tensor.item() on meta, bnb-quant-state-offload; with that patch alone the "
-             "gradients through the offloaded 4-bit layers are NaN)", expected_error="RuntimeError"),
+             "gradients through the offloaded 4-bit layers are NaN)", expected_error="RuntimeError",
+             gpu_tolerance=GPU_STEP_TOLERANCE, tolerance_reason=GPU_STEP_REASON),
     _tuners("tuners-from-pretrained", "tuners_from_pretrained",
             "Llama with layers 2-3 on disk + PeftModel.from_pretrained of a non-zero adapter of every tuner "
             "(LoRA, rsLoRA, DoRA, modules_to_save in memory and on disk, embedding LoRA on disk, IA3, LoHa, LoKr, AdaLoRA, OFT, BOFT, VeRA): "

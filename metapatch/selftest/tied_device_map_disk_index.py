@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Dict
 
 from ._harness import Expect, Scenario
-from ._tied import LOGITS_TOLERANCE, load_llama
+from ._tied import LOGITS_TOLERANCE, load_llama, on_main
 
 PATCH_ID = "tied-device-map-disk-index"
 
@@ -18,7 +18,7 @@ LLAMA_BOTH_ON_DISK_MAP = {"model.embed_tokens": "disk", "model.layers": "cpu", "
 def tied_llama_both_on_disk(workdir: Path) -> Dict[str, Any]:
     """A tied pair both offloaded to disk: only the source is in the checkpoint, so before transformers
     5.13 the offload index has no entry for lm_head.weight (KeyError at the first forward)."""
-    return load_llama(workdir, True, device_map=dict(LLAMA_BOTH_ON_DISK_MAP))
+    return load_llama(workdir, True, device_map=on_main(LLAMA_BOTH_ON_DISK_MAP))
 
 
 

@@ -2,7 +2,12 @@
 tied weights. On a tiny DiffusionGemma (regex-tied encoder/decoder; n/a before transformers 5.11) as
 the seed report loaded it, and the same bugs on a tiny Llama, untied and tied through
 ``tie_word_embeddings`` (transformers 5; on 4.57 the same scenarios run under
-tied-device-map-transformers-v4)."""
+tied-device-map-transformers-v4).
+
+Devices: ``device_map="auto"`` gets its budget on the execution device's memory (on a GPU machine the
+same total split between GPU 0 and the CPU: ``_device.memory_budget``), explicit maps put their memory entries
+there (``_tied.on_main``), and the all-offload scenarios are pinned to the CPU: a map that is all disk
+computes on the CPU on any machine (``from_pretrained`` dispatches it with a CPU main device)."""
 
 from __future__ import annotations
 
@@ -11,9 +16,10 @@ from pathlib import Path
 from typing import Any, Dict
 
 from . import NotApplicable
+from ._device import memory_budget
 from ._harness import Expect, Scenario
 from ._tied import (FRACTIONS, LOGITS_TOLERANCE, budget_grid, check_dispatched, compare, diffusion_gemma_class,
-                    llama_sweep, load_llama, model_bytes, save_tiny, sweep_budgets)
+                    execution_device_of, llama_sweep, load_llama, model_bytes, on_main, save_tiny, sweep_budgets)
 
 PATCH_ID = "tied-device-map-transformers"
 TRANSFORMERS_5 = {"transformers": ">=5.0.0.dev0"}  # 4.57: tied-device-map-transformers-v4 runs these
@@ -25,10 +31,11 @@ def load_auto(workdir: Path, budget_fraction: float) -> Dict[str, Any]:
     budget = int(model_bytes(reference) * budget_fraction)
     offload = workdir / "offload"
     loaded = DiffusionGemmaForBlockDiffusion.from_pretrained(
-        path, device_map="auto", max_memory={"cpu": budget}, offload_folder=str(offload)).eval()
+        path, device_map="auto", max_memory=memory_budget(budget), offload_folder=str(offload)).eval()
     diff = compare(loaded, reference)  # the seed's symptom first: generate() on meta tensors
     check_dispatched(loaded)
-    return {"max_abs_diff": diff, "cpu_budget": budget, "devices": sorted(map(str, set(loaded.hf_device_map.values())))}
+    return {"max_abs_diff": diff, "cpu_budget": budget, "devices": sorted(map(str, set(loaded.hf_device_map.values()))),
+            "computed_on": execution_device_of(loaded)}
 
 
 def auto_map_moderate_budget(workdir: Path) -> Dict[str, Any]:
@@ -51,7 +58,7 @@ def explicit_map_splitting_ties(workdir: Path) -> Dict[str, Any]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         loaded = DiffusionGemmaForBlockDiffusion.from_pretrained(
-            path, device_map=dict(SPLIT_MAP), offload_folder=str(workdir / "offload")).eval()
+            path, device_map=on_main(SPLIT_MAP), offload_folder=str(workdir / "offload")).eval()
     diff = compare(loaded, reference)
     check_dispatched(loaded)
     named = [str(w.message) for w in caught if "tied" in str(w.message) and "model.encoder" in str(w.message)]
@@ -96,7 +103,7 @@ def tied_llama_explicit_split(workdir: Path) -> Dict[str, Any]:
     no value on disk (KeyError 'lm_head.weight' at the first forward), every release."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = load_llama(workdir, True, device_map=dict(LLAMA_SPLIT_MAP))
+        result = load_llama(workdir, True, device_map=on_main(LLAMA_SPLIT_MAP))
     named = [str(w.message) for w in caught if "lm_head.weight" in str(w.message) and "metapatch" in str(w.message)]
     return {**result, "warned_pairs": bool(named)}
 
@@ -127,6 +134,8 @@ ALL_DISK_UNPATCHED = (
     Expect(""),
 )
 LM_HEAD_HAS_NO_VALUE = (Expect("KeyError", "lm_head.weight"),)  # every release
+ALL_DISK_ON_CPU = {"device": "cpu", "device_reason": "a map that is all disk computes on the CPU on any machine "
+                                                     "(from_pretrained dispatches it with a CPU main device)"}
 
 SCENARIOS = [
     Scenario(PATCH_ID, "auto-map-moderate-budget", f"{__name__}:auto_map_moderate_budget",
@@ -153,10 +162,10 @@ SCENARIOS = [
              "untied Llama, device_map='auto' with a cpu budget of 10% of the model: the map is all disk; "
              "5.0-5.12 never dispatch it (meta tensors), 5.13+ with accelerate < 1.15 get 'offload the whole "
              "model to the disk'", expected_error="RuntimeError", requires=TRANSFORMERS_5,
-             unpatched=ALL_DISK_UNPATCHED, tolerance=LOGITS_TOLERANCE),
+             unpatched=ALL_DISK_UNPATCHED, tolerance=LOGITS_TOLERANCE, **ALL_DISK_ON_CPU),
     Scenario(PATCH_ID, "tied-llama-all-offload", f"{__name__}:tied_llama_all_offload",
              "the same on a Llama with tie_word_embeddings=True", expected_error="RuntimeError",
-             requires=TRANSFORMERS_5, unpatched=ALL_DISK_UNPATCHED, tolerance=LOGITS_TOLERANCE),
+             requires=TRANSFORMERS_5, unpatched=ALL_DISK_UNPATCHED, tolerance=LOGITS_TOLERANCE, **ALL_DISK_ON_CPU),
     Scenario(PATCH_ID, "tied-llama-explicit-split", f"{__name__}:tied_llama_explicit_split",
              "explicit device_map with the tied lm_head on disk and embed_tokens on cpu: KeyError "
              "'lm_head.weight' at the first forward", expected_error="KeyError", requires=TRANSFORMERS_5,

@@ -7,7 +7,8 @@ from __future__ import annotations
 from ._harness import Expect, Scenario
 from ._tied import LOGITS_TOLERANCE
 from .tied_device_map_disk_index import tied_llama_both_on_disk
-from .tied_device_map_transformers import tied_llama_all_offload, tied_llama_explicit_split, untied_llama_all_offload
+from .tied_device_map_transformers import (ALL_DISK_ON_CPU, tied_llama_all_offload, tied_llama_explicit_split,
+                                           untied_llama_all_offload)
 
 PATCH_ID = "tied-device-map-transformers-v4"
 TRANSFORMERS_4 = {"transformers": "<5.0.0.dev0"}  # 5.x: tied-device-map-transformers and -disk-index
@@ -22,10 +23,10 @@ SCENARIOS = [
     Scenario(PATCH_ID, "untied-llama-all-offload", _function(untied_llama_all_offload),
              "transformers 4.57: untied Llama, device_map='auto', cpu budget 10%: SafetensorError 'device disk is "
              "invalid' while loading", expected_error="SafetensorError", requires=TRANSFORMERS_4,
-             unpatched=DISK_IS_INVALID, tolerance=LOGITS_TOLERANCE),
+             unpatched=DISK_IS_INVALID, tolerance=LOGITS_TOLERANCE, **ALL_DISK_ON_CPU),
     Scenario(PATCH_ID, "tied-llama-all-offload", _function(tied_llama_all_offload),
              "transformers 4.57: the same with tie_word_embeddings=True", expected_error="SafetensorError",
-             requires=TRANSFORMERS_4, unpatched=DISK_IS_INVALID, tolerance=LOGITS_TOLERANCE),
+             requires=TRANSFORMERS_4, unpatched=DISK_IS_INVALID, tolerance=LOGITS_TOLERANCE, **ALL_DISK_ON_CPU),
     Scenario(PATCH_ID, "tied-llama-explicit-split", _function(tied_llama_explicit_split),
              "transformers 4.57: tied lm_head on disk, embed_tokens on cpu: KeyError 'lm_head.weight'",
              expected_error="KeyError", requires=TRANSFORMERS_4, unpatched=(Expect("KeyError", "lm_head.weight"),),

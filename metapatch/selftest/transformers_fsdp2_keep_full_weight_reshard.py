@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict
 
+from ._ranks import GLOO_RANKS
 from ._harness import Scenario
 from ._models import input_ids, max_abs_diff
 
@@ -127,9 +128,9 @@ SCENARIOS = [
              "from_pretrained(distributed_config=DistributedConfig(fsdp_size=2)) (two ranks, gloo), a no_grad "
              "forward, then SGD over model.parameters() and one step: every rank's logits equal one process's",
              expected_error="AssertionError", expected_message="a rank differs from the single-process step",
-             requires=_REQUIRES, tolerance=_TOLERANCE),
+             requires=_REQUIRES, tolerance=_TOLERANCE, **GLOO_RANKS),
     Scenario(PATCH_ID, "eval-then-train-tied-qwen2", f"{__name__}:eval_then_train_tied_qwen2",
              "the same with a tied Qwen2 head (the input embedding is the keep_full_weight group)",
              expected_error="AssertionError", expected_message="a rank differs from the single-process step",
-             requires=_REQUIRES, tolerance=_TOLERANCE, in_selftest=False),
+             requires=_REQUIRES, tolerance=_TOLERANCE, in_selftest=False, **GLOO_RANKS),
 ]

@@ -6,7 +6,8 @@ A tiny Llama is saved as a random safetensors checkpoint and two LoRA adapters w
 (``init_lora_weights=False``) are saved next to it. The base is loaded with a real
 ``from_pretrained(device_map=..., offload_folder=...)`` that puts layers 2 and 3 on disk (the adapters
 target every decoder layer), and the adapters are loaded with ``model.load_adapter``. Logits and a short
-greedy ``generate`` must equal (``torch.equal``) the in-memory base with the same adapters. Each run
+greedy ``generate`` must equal (``torch.equal``) the in-memory base with the same adapters (on the execution
+device, ``_device``, where the map's memory entries are too; ``_peft.offload_map``). Each run
 also checks what loading wrote: the checkpoint and adapter files keep their hashes, the working
 directory gains nothing, and in the work directory only the offload folder may change.
 
@@ -117,12 +118,13 @@ def load_adapter_offloaded(workdir: Path) -> Dict[str, Any]:
     adapter switching with the installed peft (5.24 with peft < 0.22), the run stops after the second load."""
     from transformers import AutoModelForCausalLM
 
-    from ._models import input_ids
+    from ._device import to_device
+    from ._models import device_input_ids
     from ._peft import _compare, _logits_and_tokens
 
     checkpoint, first, second = _prepare(workdir)
-    ids = input_ids()
-    reference_model = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    ids = device_input_ids()
+    reference_model = to_device(AutoModelForCausalLM.from_pretrained(checkpoint).eval())
     plain = _logits_and_tokens(reference_model, ids)
     _in_memory("load_adapter", lambda: reference_model.load_adapter(str(first)))
     with_first = _logits_and_tokens(reference_model, ids)
@@ -166,13 +168,14 @@ def from_pretrained_adapter_dir(workdir: Path) -> Dict[str, Any]:
     loads the base named in the adapter's config, dispatches it, then calls ``load_adapter`` itself."""
     from transformers import AutoModelForCausalLM
 
-    from ._models import input_ids
+    from ._device import to_device
+    from ._models import device_input_ids
     from ._peft import _compare, _logits_and_tokens
 
     checkpoint, first, _ = _prepare(workdir)
-    ids = input_ids()
-    reference = _logits_and_tokens(_in_memory("from_pretrained(adapter_dir)",
-                                              lambda: AutoModelForCausalLM.from_pretrained(first)).eval(), ids)
+    ids = device_input_ids()
+    reference = _logits_and_tokens(to_device(_in_memory("from_pretrained(adapter_dir)",
+                                                        lambda: AutoModelForCausalLM.from_pretrained(first)).eval()), ids)
     untouched = _Untouched(workdir, checkpoint, (first,))
     model = _guarded("from_pretrained(adapter_dir)", untouched, lambda: _offloaded(workdir, first))
     if not getattr(model, "_hf_peft_config_loaded", False):

@@ -15,6 +15,12 @@ particular to its patch::
             assert outcome.metrics["head_tied"] is bool(scenario.expected_error)
 
 The loose assertions below stay for the files with runners of their own (the bitsandbytes files).
+
+Devices: every run computes on the execution device its child decides (``metapatch.selftest._device``:
+``cuda:0`` where CUDA is present, ``cpu`` otherwise, ``METAPATCH_SELFTEST_DEVICE`` to force one), or on the
+CPU where the scenario is pinned there; each leg checks the device its run reports (:func:`expected_device`).
+The patched and diff legs allow the scenario's tolerance for that device (``Scenario.tolerance_on``), the
+unpatched leg expects what was measured for that device (``Scenario.expected_unpatched(..., device=)``).
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import pytest
 
 import metapatch
 from metapatch.diffs import APPLIES, apply_to_copy, check, diffs_for
-from metapatch.selftest import Outcome, Scenario, run_scenario, scenarios_for
+from metapatch.selftest import Outcome, Scenario, _device, run_scenario, scenarios_for
 
 LEGS = ("unpatched", "patched", "diff")
 NOT_APPLICABLE = ("NotApplicable", "ModelUnavailable")  # the error types of an n/a outcome
@@ -71,6 +77,28 @@ def upstream_diff_copy(patch_id: str, tmp_path_factory, skip_reason: str = "") -
     if path is None:
         pytest.skip(why + (f" ({skip_reason})" if skip_reason else ""))
     return path
+
+
+_VISIBLE: List[int] = []
+
+
+def expected_device(scenario: Scenario) -> str:
+    """Where a run of ``scenario`` computes, as its child decides it: ``cpu`` where the scenario is pinned
+    there, else METAPATCH_SELFTEST_DEVICE or what torch sees (asked once per test process)."""
+    if scenario.device == "cpu":
+        return "cpu"
+    request = _device.requested(os.environ.get(_device.DEVICE_ENV))
+    if request == "cpu":
+        return "cpu"
+    if not _VISIBLE:
+        _VISIBLE.append(_device.visible_cuda_devices())
+    return _device.choose(request, _VISIBLE[0])
+
+
+def assert_device(scenario: Scenario, outcome: Outcome) -> None:
+    """The run computed where the scenario's device rule says, and a pinned one says why."""
+    assert outcome.device == expected_device(scenario), (outcome.device, expected_device(scenario), explain(outcome))
+    assert bool(outcome.device_note) == (scenario.device == "cpu"), outcome.device_note
 
 
 def explain(outcome: Outcome) -> str:
@@ -252,8 +280,9 @@ class ThreeWayCase:
         outcome = runs.get(scenario, "unpatched")
         assert set(outcome.states.values()) <= {"disabled"}, outcome.states
         self._applies(scenario, outcome)
+        assert_device(scenario, outcome)
         gate = self.gate(scenario.patch_id)
-        expect = scenario.expected_unpatched(gate.affected)
+        expect = scenario.expected_unpatched(gate.affected, device=outcome.device)
         if expect.error:
             assert not outcome.passed, f"{scenario.key} passed without metapatch here ({gate.why})"
             assert outcome.error_type in expect.error.split("|"), explain(outcome)
@@ -267,7 +296,8 @@ class ThreeWayCase:
         outcome = runs.get(scenario, "patched")
         self._applies(scenario, outcome)
         assert outcome.passed, explain(outcome)
-        assert outcome.metrics["max_abs_diff"] <= scenario.tolerance, outcome.metrics
+        assert_device(scenario, outcome)
+        assert outcome.metrics["max_abs_diff"] <= scenario.tolerance_on(outcome.device), outcome.metrics
         assert outcome.states[scenario.patch_id] in self.patched_states(scenario), (scenario.patch_id, outcome.states)
         self.check_patched(scenario, outcome)
 
@@ -278,5 +308,6 @@ class ThreeWayCase:
         outcome = runs.get(scenario, "diff")
         self._applies(scenario, outcome)
         assert outcome.passed, explain(outcome)
-        assert outcome.metrics["max_abs_diff"] <= scenario.tolerance, outcome.metrics
+        assert_device(scenario, outcome)
+        assert outcome.metrics["max_abs_diff"] <= scenario.tolerance_on(outcome.device), outcome.metrics
         self.check_diff(scenario, outcome)

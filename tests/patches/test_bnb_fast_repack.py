@@ -69,8 +69,10 @@ def test_disk_offloaded_forwards_equal_in_memory(tmp_path):
                     num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
     ids = input_ids(vocab_size=256, length=8)
     config = scenario.quant_config("nf4", True, "bfloat16")
-    in_memory = scenario.load_quantized(tmp_path / "base", config)
-    dispatched = scenario.dispatch(scenario.load_quantized(tmp_path / "base", config), tmp_path / "work")
+    # The CPU repack path: quantized and computing on the CPU whatever the machine has.
+    in_memory = scenario.load_quantized(tmp_path / "base", config, device="cpu")
+    dispatched = scenario.dispatch(scenario.load_quantized(tmp_path / "base", config, device="cpu"), tmp_path / "work",
+                                   main_device="cpu")
     with torch.no_grad():  # bitsandbytes' conversion at the first forward, the proof (once per shape) at the second
         want = [in_memory(ids).logits for _ in range(2)]
         got = [dispatched(ids).logits for _ in range(2)]

@@ -59,7 +59,7 @@ def test_offload_dir_alone_keeps_the_base_dispatch(files, tmp_path, extra):
     with torch.no_grad():
         want = reference(input_ids=ids).logits
 
-    base = AutoModelForCausalLM.from_pretrained(checkpoint, device_map=offload_map("llama"),
+    base = AutoModelForCausalLM.from_pretrained(checkpoint, device_map=offload_map("llama", main="cpu"),
                                                 offload_folder=str(tmp_path / "offload"))
     hooks_before = _hooks(base)
     offload_before, checkpoint_before = _hashes(tmp_path / "offload"), _hashes(checkpoint)

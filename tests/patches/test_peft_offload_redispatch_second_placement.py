@@ -4,7 +4,11 @@ keeps the base's dispatch, as passing nothing does. Where it equals the base's p
 its dispatch (the same hook objects, as for a plain call); where it differs only the map entries
 whose tensors move are unhooked and moved, the others keep their hooks. Always: the in-memory
 model's logits, the base's offload folder and checkpoint unchanged, nothing written outside the
-``offload_dir`` named at the call (and there only tensors newly sent to disk). Issue 26."""
+``offload_dir`` named at the call (and there only tensors newly sent to disk). Issue 26.
+
+The maps and budgets here name ``cpu`` and ``disk`` only, so every model computes on the CPU whatever
+the machine has (the same flows with GPU 0 in the map are the selftest scenarios' ``max-memory-*`` kinds,
+which run on the execution device)."""
 
 from __future__ import annotations
 
@@ -58,22 +62,22 @@ def files(tmp_path_factory):
 
 def _moved_map():
     """Layer 2 comes back from disk into memory, layer 1 goes from memory to disk: a real move both ways."""
-    device_map = offload_map("llama")
+    device_map = offload_map("llama", main="cpu")
     device_map["model.layers.1"], device_map["model.layers.2"] = "disk", "cpu"
     return device_map
 
 
 CASES = {
     # the base's own map, passed again: nothing moves
-    "same-map": (lambda: offload_map("llama"), set(), {}),
+    "same-map": (lambda: offload_map("llama", main="cpu"), set(), {}),
     # upstream's own default (load_adapter reads kwargs.get("device_map", "auto")): the same call as
     # passing nothing, so the base keeps its dispatch
     "auto": (lambda: "auto", set(), {}),
     # "auto" with a budget is a request: the budget holds the whole model, so the disk layers move
     "auto-max-memory": (lambda: "auto", {"model.layers.2", "model.layers.3"}, {"max_memory": {"cpu": 10 ** 10}}),
-    # a strategy asked for: everything fits in memory on this CPU-only machine, so the disk layers move
-    # and the others stay hooked
-    "sequential": (lambda: "sequential", {"model.layers.2", "model.layers.3"}, {}),
+    # a strategy asked for, with a cpu budget that holds the whole model (without one, a GPU machine's
+    # "sequential" fills GPU 0 first): the disk layers move and the others stay hooked
+    "sequential": (lambda: "sequential", {"model.layers.2", "model.layers.3"}, {"max_memory": {"cpu": 10 ** 10}}),
     "moved-map": (_moved_map, {"model.layers.1", "model.layers.2"}, {}),
 }
 
@@ -87,7 +91,7 @@ def test_second_placement_moves_only_what_moves(files, tmp_path, case):
         pytest.skip(f"{PATCH.id} is not affected here: {WHY}")
     checkpoint, adapter, want = files
     make_map, moving, extra = CASES[case]
-    base = AutoModelForCausalLM.from_pretrained(checkpoint, device_map=offload_map("llama"),
+    base = AutoModelForCausalLM.from_pretrained(checkpoint, device_map=offload_map("llama", main="cpu"),
                                                 offload_folder=str(tmp_path / "offload"))
     hooks_before = _hooks(base)
     offload_before, checkpoint_before = _hashes(tmp_path / "offload"), _hashes(checkpoint)

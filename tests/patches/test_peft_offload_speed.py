@@ -45,7 +45,7 @@ def test_disk_layer_reads_equal_accelerates_loader(tmp_path, monkeypatch):
     from metapatch.patches.peft_offload_redispatch._sources import _checkpoint_entry, capture_sources, values_of
 
     checkpoint = save_tiny_llama(tmp_path / "base")
-    base = AutoModelForCausalLM.from_pretrained(checkpoint, device_map=offload_map("llama"),
+    base = AutoModelForCausalLM.from_pretrained(checkpoint, device_map=offload_map("llama", main="cpu"),
                                                 offload_folder=str(tmp_path / "offload"))
     sources = _sources_by_name(base, capture_sources(base))
     names = sorted(sources)

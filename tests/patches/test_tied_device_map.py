@@ -287,6 +287,29 @@ def test_module_import_is_cheap():
     assert out.stdout.strip() == "[]"
 
 
+@pytest.mark.skipif(not HAS_MODEL, reason=NO_MODEL)
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_gpu_budgets_simulated_on_the_cpu(tmp_path, gpus):
+    """The maps the GPU runs rely on, inferred on any machine (map inference only reads budgets): one GPU
+    with the moderate budget of ``auto-map-moderate-budget`` (half on GPU 0, half on the CPU) holds GPU 0, cpu
+    and disk; the two-GPU test's thirds hold both GPUs. Every parameter mapped, tied groups whole, budgets kept."""
+    from transformers import DiffusionGemmaForBlockDiffusion
+    from transformers.integrations.accelerate import infer_auto_device_map
+
+    path, _ = sc.save_tiny(tmp_path / "ckpt")
+    model = DiffusionGemmaForBlockDiffusion.from_pretrained(path)
+    total = sc.model_bytes(model)
+    if gpus == 1:
+        budget = int(total * 0.6)
+        max_memory, wanted = {0: budget // 2, "cpu": budget - budget // 2}, {"0", "cpu", "disk"}
+    else:
+        share = total // 3
+        max_memory, wanted = {0: share, 1: share, "cpu": share}, {"0", "1"}
+    device_map = infer_auto_device_map(model, max_memory=dict(max_memory), no_split_module_classes=model._no_split_modules)
+    assert wanted <= set(map(str, device_map.values())), device_map
+    assert sc.map_problems(model, device_map, max_memory, tg.tied_groups(model)) == []
+
+
 @pytest.mark.gpu(count=2)
 def test_two_gpus_load_and_generate(tmp_path):
     import torch

@@ -40,7 +40,8 @@ def params(modules):
     for report in reports():
         if report.reproducer.partition(":")[0].rpartition("/")[2] not in modules:
             continue
-        marks = [pytest.mark.gpu] if report.status == NEEDS_GPU else []
+        needed = report.cuda_devices_needed
+        marks = [pytest.mark.gpu(count=needed)] if needed else []
         yield pytest.param(report, id=report.id, marks=marks)
 
 

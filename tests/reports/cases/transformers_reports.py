@@ -8,8 +8,8 @@ from typing import Any, Dict
 import torch
 import transformers
 
-from _tiny import (LLAMA_DISK_MAP, LLAMA_EMBEDDING_ON_DISK, assert_matches, cached, greedy, input_ids, llama, logits,
-                   offload, require, save_random)
+from _tiny import (LLAMA_DISK_MAP, LLAMA_EMBEDDING_ON_DISK, NotApplicable, assert_matches, cached, greedy, input_ids,
+                   llama, logits, offload, require, save_random)
 
 
 def _tiny_text(**extra: Any) -> Dict[str, Any]:
@@ -59,15 +59,23 @@ def gemma4_pad_embedding_offloaded(workdir: Path) -> Dict[str, Any]:
 
     ckpt = cached(workdir, "gemma4", save_tiny_gemma4)
     reference = logits(Gemma4ForCausalLM.from_pretrained(ckpt).eval())
-    device_map = dict(offload_map("gemma4"), **{"model.embed_tokens": "disk"})
+    device_map = dict(offload_map("gemma4", main="cpu"), **{"model.embed_tokens": "disk"})
     model = Gemma4ForCausalLM.from_pretrained(ckpt, device_map=device_map, offload_folder=offload(workdir)).eval()
     return {"max_abs_diff": assert_matches(logits(model), reference, "Gemma 4 with its embedding on disk")}
 
 
 def linear_attention_offloaded(workdir: Path) -> Dict[str, Any]:
     """transformers PR #46978: linear-attention layers (Qwen3-Next's gated delta net) use their conv
-    weights without calling the submodule's forward, so offloaded weights stayed meta."""
+    weights without calling the submodule's forward, so offloaded weights stayed meta. This reproducer
+    computes on the torch fallback (cpu/disk map), which calls the conv module's forward: it shows the fix
+    (5.17+) holding, and before 5.17 it cannot show the bug, which lives in the CUDA kernel path."""
     require(transformers, "Qwen3NextForCausalLM")
+    from packaging.version import Version
+
+    if Version(transformers.__version__) < Version("5.17.0"):
+        raise NotApplicable(f"transformers {transformers.__version__} has the bug in the CUDA kernel path only "
+                            "(causal-conv1d / flash-linear-attention); the torch fallback this reproducer takes "
+                            "runs the conv module's forward and its offload hook")
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     config = Qwen3NextConfig(**_tiny_text(), head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2,

@@ -1,0 +1,10 @@
+import torch
+from transformers import AutoModelForCausalLM
+
+from _tiny import REST_ON_CPU, checkpoint
+
+path = checkpoint()
+device_map = {"model.embed_tokens": "disk", **REST_ON_CPU, "lm_head": "disk"}
+model = AutoModelForCausalLM.from_pretrained(path, device_map=device_map, offload_folder="offload")
+model.resize_token_embeddings(136)
+logits = model(torch.tensor([[1, 2, 3, 4]])).logits
