@@ -25,7 +25,9 @@ share of the time budget, its output under ``--out`` (at most 8 files):
 
 Without CUDA (or with ``--dry-run``) the same steps run on the CPU, except the GPU-only ones (gpu-tests, and
 three-way's cuda:0 leg), which are reported ``skipped``, never ``passed``; ``--smoke`` shrinks every step to
-its smallest selection (what CI runs, tests/test_gpu_lane.py). Exit status: 0 when no step failed.
+its smallest selection (what CI runs, tests/test_gpu_lane.py). A step stopped by its cap or by what is left
+of the budget is ``partial`` (what it finished is counted); ``failed`` means a test, scenario or command
+failed. Exit status: 0 when no step failed.
 """
 
 from __future__ import annotations
@@ -218,10 +220,12 @@ class Lane:
         cap = STEP_CAPS.get(name, self.args.budget)
         return max(0.0, min(cap, self.left()))
 
-    def cut_by_budget(self, name: str, timeout: float) -> bool:
-        """Whether a step that timed out was stopped by what was left of the lane's budget rather than by
-        its own cap: then its result is partial, not a failure (the suite step is always time-boxed so)."""
-        return name == "suite" or timeout < STEP_CAPS.get(name, self.args.budget) - 1
+    def stopped_by(self, name: str, timeout: float) -> str:
+        """Why a step that timed out was stopped: what was left of the lane's budget, or its own cap (the
+        share the lane plans for it). Either way what it finished counts, and it is partial, not failed."""
+        if name == "suite" or timeout < STEP_CAPS.get(name, self.args.budget) - 1:
+            return f"cut by the lane's budget at {timeout:.0f} s"
+        return f"stopped at its cap of {timeout:.0f} s"
 
     def say(self, text: str) -> None:
         stamp = f"[{time.monotonic() - self.started:6.1f}s]"
@@ -287,10 +291,8 @@ class Lane:
         found = outcomes_of(report)
         counts = found["counts"]
         if ran["timed_out"]:
-            cut = self.cut_by_budget(name, timeout + STOP_GRACE_S)
-            status = "failed" if counts.get("failed") or counts.get("error") or not cut else "partial"
-            note = f"stopped at its time box ({timeout:.0f} s): the counts are what finished" if cut else \
-                f"ran past its cap of {STEP_CAPS.get(name)} s"
+            status = "failed" if counts.get("failed") or counts.get("error") else "partial"
+            note = self.stopped_by(name, timeout + STOP_GRACE_S) + ": the counts are what finished"
         elif ran["rc"] in (0, 5) and not counts.get("failed") and not counts.get("error"):
             status = "passed" if counts.get("passed") else "skipped"
             note = "" if counts.get("passed") else "nothing ran"
@@ -406,8 +408,8 @@ class Lane:
             if device:
                 devices[str(device)] = devices.get(str(device), 0) + 1
         failures = [f"{row.get('scenario')}: {row.get('verdict')}" for row in rows if not row.get("ok", True)]
-        if timed_out and not failures and self.cut_by_budget("selftest", timeout):
-            status, note = "partial", f"cut by the lane's budget after {len(rows)} scenarios ({timeout:.0f} s)"
+        if timed_out and not failures:
+            status, note = "partial", f"{self.stopped_by('selftest', timeout)}, after {len(rows)} scenarios"
         else:
             status = "failed" if (rc != 0 or failures or not rows) else "passed"
             note = f"timed out after {len(rows)} scenarios" if timed_out else f"exit code {rc}"
@@ -436,8 +438,8 @@ class Lane:
             command += ["--smoke"]
         ran = self.execute(command, timeout, self.out / "lane.log", graceful=False)
         rows = json.loads(output.read_text())["rows"] if output.exists() else []
-        if ran["timed_out"] and self.cut_by_budget("bench", timeout):
-            status, note = "partial", f"cut by the lane's budget ({timeout:.0f} s) after {len(rows)} rows"
+        if ran["timed_out"]:
+            status, note = "partial", f"{self.stopped_by('bench', timeout)}, after {len(rows)} rows"
         else:
             status = "passed" if ran["rc"] == 0 and rows else ("partial" if rows else "failed")
             note = "timed out" if ran["timed_out"] else f"exit code {ran['rc']}"
@@ -484,12 +486,24 @@ class Lane:
             pass
         finally:
             self.write_summary()
+            trim_logs(self.out)
         summary = self.summary()
         self.say(f"done in {summary['wall_s']} s: " + (f"FAILED steps: {summary['failed_steps']}" if summary["failed_steps"]
                                                        else "no step failed"))
         print(render_markdown(summary))
         shutil.rmtree(self.scratch, ignore_errors=True)
         return 1 if summary["failed_steps"] else 0
+
+
+LOG_HEAD, LOG_TAIL = 20_000, 200_000  # characters kept of a long log (what comes back from a device run is limited)
+
+
+def trim_logs(folder: Path) -> None:
+    for log in folder.glob("*.log"):
+        text = log.read_text(errors="replace")
+        if len(text) > LOG_HEAD + LOG_TAIL:
+            cut = len(text) - LOG_HEAD - LOG_TAIL
+            log.write_text(text[:LOG_HEAD] + f"\n[... {cut} characters left out ...]\n" + text[-LOG_TAIL:])
 
 
 PROGRESS = re.compile(r"^\[(\d+)/(\d+)\] (\S+): (.+?) \(\d+ s\)")
