@@ -60,9 +60,9 @@ PINS = (
 PLATFORMS = ("manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2_24_x86_64", "manylinux_2_28_x86_64")
 BNB_LIBRARIES = ("libbitsandbytes_cpu.so", "libbitsandbytes_cuda130.so")  # the image's torch is built for CUDA 13.0
 # Not in the time-boxed suite: the upstream suites, the sweep and the standalone reproducers (minutes each,
-# none about the device), and what the earlier steps ran already.
+# none about the device), and the lane's own CPU dry run.
 SUITE_IGNORED = ("tests/test_upstream_suites.py", "tests/test_sweep.py", "tests/test_reproducers.py",
-                 "tests/test_series_reproducers.py")
+                 "tests/test_series_reproducers.py", "tests/test_gpu_lane.py")  # the last: this lane's own dry run
 # Three-way files run first, on cuda:0 (their scenarios take the execution device as a parameter): the 4-bit
 # flows with layers on cpu and disk, and the model-device flows. The suite step runs the other ones, with the
 # time it has.
