@@ -65,7 +65,8 @@ ONCE = ["tests/test_pr_checks.py", "tests/test_series_reproducers.py", "tests/te
         "tests/patches/test_bnb_cpu_repack.py",
         "tests/test_cli_selftest_doctor.py", "tests/test_run.py", "tests/test_run_report.py", "tests/test_explain.py",
         "tests/test_cli_pr_pins.py", "tests/test_cli_errors.py",
-        "tests/test_registry.py", "tests/test_upstream_suites.py", "tests/patches/test_peft_offload_redispatch_tuners.py"]
+        "tests/test_registry.py", "tests/test_upstream_suites.py", "tests/patches/test_peft_offload_redispatch_tuners.py",
+        "tests/test_gpu_lane.py"]
 # The public-report corpus (about 3.5 min per environment) runs on the seed and latest pairs; the
 # Gemma 4 integration pair (5.7) adds nothing to it that those two do not cover.
 NOT_IN = {"gemma4-int": ["tests/reports"]}
@@ -180,6 +181,15 @@ def gate(session, stack):
             failed.append(f"metapatch selftest exited {code} ({report.name})")
     if failed:
         session.error(f"selftest on {stack}: not fixed: {failed}")
+
+
+# The GPU lane (.ci/gpu_lane.py): not a default session. On a machine with CUDA it installs the matrix pair
+# from the wheels `python3 .ci/gpu_lane.py prepare` put in .gpu/whl and runs the lane in one go (about 5.5 min);
+# elsewhere it runs the CPU dry run. CI runs the dry run at its smallest through tests/test_gpu_lane.py.
+#     python3 -m nox -s gpu_lane -- --out DIR [--budget 330] [--dry-run]
+@nox.session(python=False, default=False)
+def gpu_lane(session):
+    session.run("python3", ".ci/gpu_lane.py", "run", *session.posargs, external=True)
 
 
 @nox.session(python=[_interpreter(v) for v in TESTED["FRAMEWORK_PYTHONS"]])

@@ -62,6 +62,9 @@ FLOWS = {
     "tied-device-map-transformers/auto-map-moderate-budget": {"computed_on": "cuda:0", "devices": ["0", "cpu", "disk"]},
     "offloaded-dtype-conversion/to-own-device-and-dtype-layers-on-disk": {"dtype": "torch.float16"},
     "accelerate-tie-before-load/dispatch-cpu-disk-map": {"head_tied": True},
+    # 4-bit layers on disk and on cpu under an inferred map, quantized on GPU 0 like the in-memory model
+    "transformers-quantized-disk-weights/auto-map-generate-save": {"generated_tokens": 8},
+    "transformers-quantized-disk-weights/prequantized-checkpoint": {},
 }
 
 
@@ -80,7 +83,8 @@ def test_patched_flow_equals_the_in_memory_gpu_model(key, tmp_path):
 # (scenario, whether its upstream error class is asserted): the tied map's budget split between GPU 0 and the
 # CPU is not the CPU's budget, so where inference first trips over the tied pair is not measured there.
 UNPATCHED = {"offloaded-model-device/generate-embedding-on-disk": True,
-             "tied-device-map-transformers/auto-map-small-budget": False}
+             "tied-device-map-transformers/auto-map-small-budget": False,
+             "transformers-quantized-disk-weights/auto-map-generate-save": True}
 
 
 @pytest.mark.parametrize("key", sorted(UNPATCHED))

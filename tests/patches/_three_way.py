@@ -152,10 +152,11 @@ class _Runs:
     def _run(self, scenario: Scenario, leg: str):
         pythonpath: List[str] = []
         if leg == "diff":
-            path, why = self.copy_for(scenario.patch_id)
-            if path is None:
-                return None, why
-            pythonpath = [path]
+            for patch_id in (scenario.patch_id, *self.case.diff_companions(scenario.patch_id)):
+                path, why = self.copy_for(patch_id)
+                if path is None:
+                    return None, why
+                pythonpath.append(path)
         cwd = self.root / "cwd" / f"{scenario.key.replace('/', '-')}-{leg}"
         cwd.mkdir(parents=True)
         outcome = run_scenario(scenario, patched=leg == "patched", pythonpath=pythonpath, cwd=str(cwd))
@@ -209,6 +210,11 @@ class ThreeWayCase:
     def diff_series(self, patch_id: str) -> list:
         """The diffs applied to one copy for the diff leg of ``patch_id``'s scenarios."""
         return list(diffs_for(patch_id))
+
+    def diff_companions(self, patch_id: str) -> Tuple[str, ...]:
+        """Other patches whose diffs (another package's) go on the path with ``patch_id``'s in its diff leg:
+        an upstream fix that holds only together with another project's (each still its own PR)."""
+        return ()
 
     def diff_skip(self, scenario: Scenario) -> str:
         """Why the diff leg does not run for ``scenario`` ('' = it runs)."""
