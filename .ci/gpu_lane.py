@@ -206,7 +206,9 @@ class Lane:
         self.scratch = Path(tempfile.mkdtemp(prefix="gpu-lane-"))
         self.log = open(self.out / "lane.log", "a")
         self.steps: List[Dict[str, Any]] = []
-        self.env = dict(os.environ)
+        # A lane started from inside a pytest-xdist worker (its CPU dry-run test) must not hand the worker's
+        # PYTEST_XDIST_* / PYTEST_CURRENT_TEST to the pytest runs it starts: they then report nothing.
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
         self.python = args.python or sys.executable
         self.cuda = False
         self.facts: Dict[str, Any] = {}

@@ -44,8 +44,8 @@ import weakref
 from collections.abc import Mapping
 from typing import Any, Dict
 
-from metapatch._calls import signature_of
-from metapatch._records import MetapatchError, Patch, Target, Upstream
+from metapatch._framework.calls import signature_of
+from metapatch._framework.records import MetapatchError, Patch, Target, Upstream
 
 PATCH_ID = "transformers-quantized-disk-weights"
 OFFLOADED = ("cpu", "disk")
