@@ -483,7 +483,11 @@ class Lane:
         try:
             for step in (self.step_install, self.step_env, self.step_gpu_tests, self.step_selftest,
                          self.step_three_way, self.step_bench, self.step_suite):
-                step()
+                name = step.__name__[len("step_"):].replace("_", "-")
+                if name in self.args.skip:
+                    self.skip(name, "left out of this run (--skip)")
+                else:
+                    step()
         except SystemExit:
             pass
         finally:
@@ -575,6 +579,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     go.add_argument("--jobs", type=int, default=8, help="parallel selftest runs")
     go.add_argument("--dry-run", action="store_true", help="no GPU steps even where CUDA is present")
     go.add_argument("--smoke", action="store_true", help="every step at its smallest selection (CI)")
+    go.add_argument("--skip", default="", type=lambda text: {name.strip() for name in text.split(",") if name.strip()},
+                    help="steps to leave out of this run, comma-separated (e.g. bench,suite): reported skipped")
     args = parser.parse_args(argv)
     if args.command == "prepare":
         return prepare(Path(args.dest), args.python_version)
