@@ -101,7 +101,7 @@ def _share_torch(session):
         pth.write(SHARED_TORCH + "\n")  # after the venv's own site-packages: what a session installs wins
 
 
-def _install_stack(session, versions):
+def _install_stack(session, versions, editable=True):
     # Byte-compiled at install (pip's default), never --no-compile: with PYTHONDONTWRITEBYTECODE set, as
     # on CI's machines, nothing is compiled later, and every interpreter a test starts would compile
     # the stack from source (measured: the seed pair's tests ran far slower with --no-compile).
@@ -109,7 +109,8 @@ def _install_stack(session, versions):
     session.install(TORCH)  # first, alone, so nothing else can pick a CUDA build (satisfied by the shared one)
     pins = {**{d: v for d, v in TESTED["COMMON"].items() if d != "torch"}, **versions}
     session.install(*(f"{dist}=={ver}" for dist, ver in pins.items()), *TEST_TOOLS)
-    session.install("-e", ".")  # with its own dependencies (wrapt, packaging); the stack is pinned above
+    if editable:
+        session.install("-e", ".")  # with its own dependencies (wrapt, packaging); the stack is pinned above
     session.env["METAPATCH_STRICT"] = "1"
     # One intra-op thread per process: two workers (or lanes) on two cores, each starting interpreters that
     # run tiny models, where torch's thread per core spins while it waits (measured: 30-40 % less wall time
@@ -210,3 +211,36 @@ IMPORT_LINTER = "import-linter==2.17"
 def lint(session):
     session.install(IMPORT_LINTER)
     session.run("lint-imports", "--no-cache")
+
+
+# The distributions users install: the sdist and the wheel are built and checked (twine), the sdist is installed
+# (so it holds everything a build needs), then the wheel, not editable, beside the latest pair; from a folder
+# outside the clone (nothing importable from the source tree) `metapatch status --import-targets` and the
+# default `metapatch selftest` must pass, as the README's set-up promises.
+BUILD_TOOLS = ["build==1.3.0", "twine==6.2.0"]
+
+
+@nox.session(python="3.11")
+def package(session):
+    import tempfile
+
+    session.install(*BUILD_TOOLS)
+    dist = tempfile.mkdtemp(prefix="metapatch-dist-")  # never session.create_tmp(): that is inside the clone
+    session.run("python", "-m", "build", "--outdir", dist, ".")
+    sdist = glob.glob(os.path.join(dist, "metapatch-*.tar.gz"))
+    wheel = glob.glob(os.path.join(dist, "metapatch-*.whl"))
+    if len(sdist) != 1 or len(wheel) != 1:
+        session.error(f"expected one sdist and one wheel in {dist}: {os.listdir(dist)}")
+    session.run("twine", "check", "--strict", sdist[0], wheel[0])
+    _install_stack(session, MATRIX["latest"], editable=False)
+    outside = tempfile.mkdtemp(prefix="metapatch-installed-")
+    session.install(sdist[0])
+    with session.chdir(outside):
+        session.run("metapatch", "--version")
+        session.run("metapatch", "status", "--import-targets")
+    session.install("--force-reinstall", "--no-deps", wheel[0])
+    with session.chdir(outside):
+        session.run("python", "-c", "import metapatch, os, sys; path = os.path.dirname(metapatch.__file__); "
+                    "sys.exit(0 if 'site-packages' in path else 'metapatch imported from ' + path)")
+        session.run("metapatch", "diffs", "check", "--import-targets")
+        session.run("metapatch", "selftest")
