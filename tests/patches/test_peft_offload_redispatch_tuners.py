@@ -28,7 +28,9 @@ WITH_DIFF = ("tuners-from-pretrained", "tuners-get-peft-model", "train-step-fp32
 # descriptions): what the scenario says with the series alone.
 DIFF_FALLS_SHORT = {
     "lora-entry-points": "PeftMixedModel/lora: FAILED",  # left removing the hooks first
-    "train-step-nf4": "gradient differs (max abs diff nan)",  # bitsandbytes moves the saved QuantState
+    # The backward dequantizes with a QuantState moved to meta: whatever memory it reads (NaN on one run, 6.7e+24 on
+    # another), never the in-memory gradient.
+    "train-step-nf4": "gradient differs (max abs diff ",  # bitsandbytes moves the saved QuantState
 }
 
 

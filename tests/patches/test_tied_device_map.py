@@ -128,7 +128,7 @@ class TestThreeWay(ThreeWayCase):
 @pytest.mark.skipif(HAS_MODEL, reason="the installed transformers has DiffusionGemma")
 def test_scenarios_without_their_model_class_are_na_in_selftest(tmp_path):
     """Where DiffusionGemma is missing its scenarios are n/a in ``metapatch selftest`` (never FAILED nor
-    an ImportError), and the command's exit code stays 0."""
+    an ImportError); a selection of n/a scenarios only is reported as "nothing ran" (exit 1, as documented)."""
     import json
     import subprocess
     import sys
@@ -140,8 +140,10 @@ def test_scenarios_without_their_model_class_are_na_in_selftest(tmp_path):
     out = subprocess.run([sys.executable, "-m", "metapatch", "selftest", "--json", "--include-slow",
                           "--patch", TF_PATCH.id, "--scenario", "auto-map-small-budget"],
                          capture_output=True, text=True, cwd=str(tmp_path), env=env, timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    (row,) = json.loads(out.stdout)["rows"]
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    assert report["nothing_ran"] is True and "Traceback" not in out.stderr
+    (row,) = report["rows"]
     assert row["scenario"] == f"{TF_PATCH.id}/auto-map-small-budget"
     assert row["verdict"].startswith("n/a") and "DiffusionGemmaForBlockDiffusion" in row["verdict"], row
     assert row["ok"] is True

@@ -54,7 +54,7 @@ measured by ``metapatch diffs check --run`` and pinned by ``tests/patches/test_p
   :class:`~metapatch._offload.adapter_offload.KeepQuantStateHook` in front of each such layer's offload hook,
   because offloading the weight after a forward moves the very ``QuantState`` autograd saved to meta
   (``Params4bit.to`` works in place) and the backward then dequantizes garbage. With the series alone
-  the nf4 training step's gradients are NaN (upstream: an error). The fix belongs in bitsandbytes
+  the nf4 training step's gradients are garbage, NaN or huge (upstream: an error). The fix belongs in bitsandbytes
   (a moved ``Params4bit`` should get its own ``QuantState``), not in peft;
 * ``PeftMixedModel.from_pretrained`` over an offloaded base: metapatch wraps it like
   ``PeftModel.from_pretrained``; the series leaves it removing the base's hooks first
