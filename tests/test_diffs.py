@@ -508,3 +508,12 @@ def test_diffs_check_run_does_not_run_a_drifted_diff(fake_scenario, diffs_root, 
     [run] = report["runs"]
     assert run["result"] == "not-run" and "drifted" in run["reason"] and run["scenarios"] == {}
     assert code == 1  # the drift itself disagrees with the in-range patch
+
+
+def test_upstream_base_is_read_as_a_release_however_it_is_written():
+    from metapatch.commands.diffs import _older_than
+
+    assert _older_than("5.11.0", "5.25.0") and _older_than("5.11.0", "transformers 5.25.0")
+    assert not _older_than("5.25.0", "transformers 5.25.0") and not _older_than("5.26.0", "5.25.0")
+    assert not _older_than("5.11.0", "main 95f9af309d4d5793847169c39288dcd3fcbdf564 (2026-08-19)")
+    assert not _older_than("5.11.0", None) and not _older_than(None, "5.25.0")

@@ -171,12 +171,18 @@ def _row(result: Any, patch: Any, status_row: Dict[str, Any], registry: Any, rel
 
 
 def _older_than(version: Optional[str], base: Optional[str]) -> bool:
+    """``base`` is an Upstream-Base header: a release ("5.25.0", also written "transformers 5.25.0") or a
+    commit of main ("main 95f9af3... (date)"), which no release is older than by this test."""
     from packaging.version import InvalidVersion, Version
 
-    try:
-        return bool(version and base) and Version(version) < Version(base)
-    except InvalidVersion:
+    if not (version and base):
         return False
+    for word in base.split():
+        try:
+            return Version(version) < Version(word)
+        except InvalidVersion:
+            continue
+    return False
 
 
 def _own_range(patch: Any, distribution: str, version: Optional[str]) -> Optional[bool]:
