@@ -60,9 +60,13 @@ TEST_TOOLS = ["safetensors", "pytest>=8", "pytest-xdist", "hypothesis>=6", "para
 # CI had reached 3656 s of its 60 minutes.
 ONCE = ["tests/test_pr_checks.py", "tests/test_series_reproducers.py", "tests/test_reproducers.py",
         "tests/test_diffs_run_real.py",
-        "tests/test_sweep.py", "tests/test_flows.py", "tests/patches/test_fsdp_loading.py", "tests/test_forked_ranks.py",
+        "tests/test_sweep.py", "tests/test_flows.py", "tests/test_forked_ranks.py",
         "tests/test_selftest_device.py",
-        "tests/patches/test_bnb_cpu_repack.py",
+        # the two-rank FSDP patches, one file each, and the rank runner they share
+        "tests/patches/test_fsdp_rank_placeholders.py", "tests/patches/test_accelerate_fsdp2_plain_buffers.py",
+        "tests/patches/test_accelerate_fsdp2_adapter_state.py", "tests/patches/test_accelerate_fsdp2_shared_embeddings.py",
+        "tests/patches/test_peft_tp_shard_import.py", "tests/mechanisms/test_rank_runner.py",
+        "tests/patches/test_bnb_cpu_repack_copy.py",
         "tests/test_cli_selftest_doctor.py", "tests/test_run.py", "tests/test_run_report.py", "tests/test_explain.py",
         "tests/test_cli_pr_pins.py", "tests/test_cli_errors.py",
         "tests/test_registry.py", "tests/test_upstream_suites.py", "tests/patches/test_peft_offload_redispatch_tuners.py",

@@ -66,7 +66,7 @@ SUITE_IGNORED = ("tests/test_upstream_suites.py", "tests/test_sweep.py", "tests/
 # Three-way files run first, on cuda:0 (their scenarios take the execution device as a parameter): the 4-bit
 # flows with layers on cpu and disk, and the model-device flows. The suite step runs the other ones, with the
 # time it has.
-THREE_WAY = ("tests/patches/test_transformers_quantized_disk_weights.py", "tests/patches/test_bnb_offload.py",
+THREE_WAY = ("tests/patches/test_transformers_quantized_disk_weights.py", "tests/patches/test_bnb_quant_state_offload.py",
              "tests/patches/test_offloaded_model_device.py", "tests/patches/test_gemma4_offloaded_embeddings.py")
 STEP_CAPS = {"env": 30, "gpu-tests": 75, "selftest": 70, "three-way": 75, "bench": 70}
 RESERVE_S = 12  # kept at the end for the summary (smoke: 4)

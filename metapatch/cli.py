@@ -14,7 +14,7 @@ import sys
 from typing import List, Optional
 
 COMMANDS = ("status", "selftest", "doctor", "diffs", "pr", "pins", "fingerprint", "survey", "run", "enable", "disable",
-            "explain", "sweep")
+            "explain", "sweep", "scaffold")
 
 EPILOG = """exit codes (every command):
   0    ok

@@ -58,7 +58,7 @@ FLOWS = {
     "transformers-load-adapter-offload/load-adapter-offloaded": {},
     "tied-device-map-transformers/auto-map-small-budget": {},
     # half the moderate budget on GPU 0, half on the CPU: GPU 0, cpu and disk in the map (simulated on the CPU
-    # by tests/patches/test_tied_device_map.py::test_gpu_budgets_simulated_on_the_cpu), computing on GPU 0
+    # by tests/patches/test_tied_device_map_transformers.py::test_gpu_budgets_simulated_on_the_cpu), computing on GPU 0
     "tied-device-map-transformers/auto-map-moderate-budget": {"computed_on": "cuda:0", "devices": ["0", "cpu", "disk"]},
     "offloaded-dtype-conversion/to-own-device-and-dtype-layers-on-disk": {"dtype": "torch.float16"},
     "accelerate-tie-before-load/dispatch-cpu-disk-map": {"head_tied": True},

@@ -1,6 +1,6 @@
-"""offloaded-model-device (transformers 5.x) and offloaded-model-device-v4 (4.57): three-way proof on a
-Llama loaded with its embedding on disk (subprocesses), plus in-process checks of the property on models
-offloaded with accelerate's own entry points.
+"""offloaded-model-device (transformers 5.x; offloaded-model-device-v4 is the 4.57 line, its three-way proof in
+test_offloaded_model_device_v4.py): three-way proof on a Llama loaded with its embedding on disk
+(subprocesses), plus in-process checks of the property on models offloaded with accelerate's own entry points.
 
 Measured unpatched (RuntimeError "Tensor.item() cannot be called on meta tensors" in generate()'s
 _prepare_special_tokens): transformers 4.57.6, 5.11.0, 5.17.0, 5.24.0."""
@@ -34,19 +34,15 @@ def test_each_release_line_runs_where_the_other_does_not():
 
 
 class TestThreeWay(ThreeWayCase):
-    patch_ids = (PATCH.id, V4_PATCH.id)
-    names = {PATCH.id: NAMES, V4_PATCH.id: NAMES}
+    """The 5.x line; tests/patches/test_offloaded_model_device_v4.py runs the same scenarios for 4.57."""
+
+    patch_ids = (PATCH.id,)
+    names = {PATCH.id: NAMES}
 
     def check_patched(self, scenario, outcome):
         if scenario.name == "generate-embedding-on-disk" and AFFECTED:
-            # the offload hook's execution device on a machine without accelerators, for the model and its base
-            assert outcome.metrics["model_device"] == outcome.metrics["inner_model_device"] == "cpu"
-
-    def diff_skip(self, scenario):
-        if ACTIVE is V4_PATCH:
-            return ("the upstream diff is written for transformers 5.x (main); 4.57 is a maintenance line whose "
-                    "property has another source")
-        return super().diff_skip(scenario)
+            # the offload hook's execution device (cuda:0 where CUDA is present), for the model and its base
+            assert outcome.metrics["model_device"] == outcome.metrics["inner_model_device"] == outcome.device
 
 
 # -- in-process: the property as installed in this test process --------------------------------
