@@ -61,7 +61,7 @@ TEST_TOOLS = ["safetensors", "pytest>=8", "pytest-xdist", "hypothesis>=6", "para
 # wrongs, on the newest releases), and the PEFT tuner matrix (six scenarios x unpatched/patched/diff, 4-5
 # min of one worker on the older pairs; test_peft_offload_redispatch.py keeps the PEFT patch's three-way
 # proof in every pair, and the gates run the tuner scenarios unpatched and patched on four more stacks).
-# Measured on the seed pair (junit, eleventh session): these were about 730 of its 3000 worker-seconds;
+# Measured on the seed pair (junit): these were about 730 of its 3000 worker-seconds;
 # CI had reached 3656 s of its 60 minutes.
 ONCE = ["tests/test_pr_checks.py", "tests/test_series_reproducers.py", "tests/test_reproducers.py",
         "tests/test_diffs_run_real.py",
@@ -89,7 +89,7 @@ def _interpreter(version: str) -> str:
 
 # torch and what it needs, installed once (``pip install --target``) for every session that needs the heavy
 # stack and put on each session's path by a .pth file: the same pinned build in every session, and one
-# install instead of six (measured on this 2-core machine: 93 s for the shared install, then 8 s a session
+# install instead of six (measured on a 2-core machine: 93 s for the shared install, then 8 s a session
 # to confirm it, against about 90-130 s for each session's own). The framework sessions never see it.
 SHARED_TORCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".nox", "_shared-torch")
 
