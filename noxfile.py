@@ -10,8 +10,13 @@
   without the heavy stack.
 * ``lint``: the import-linter contracts of pyproject.toml (the layers: tools -> patches -> offload
   mechanisms -> framework, no import circles, no torch in the framework), in a second, without the stack.
+* ``package``: the sdist and the wheel built, checked and installed outside the clone.
+
+Not in the default run: ``fast`` (a few minutes: the default selftest and the quick tests on the latest pair)
+and ``gpu_lane``.
 
     python3 -m nox                             # everything (what CI runs)
+    python3 -m nox -s fast                     # the quick check
     python3 -m nox -s "tests(env='latest')"    # one environment
 """
 
@@ -56,7 +61,7 @@ TEST_TOOLS = ["safetensors", "pytest>=8", "pytest-xdist", "hypothesis>=6", "para
 # wrongs, on the newest releases), and the PEFT tuner matrix (six scenarios x unpatched/patched/diff, 4-5
 # min of one worker on the older pairs; test_peft_offload_redispatch.py keeps the PEFT patch's three-way
 # proof in every pair, and the gates run the tuner scenarios unpatched and patched on four more stacks).
-# Measured on the seed pair (junit, eleventh session): these were about 730 of its 3000 worker-seconds;
+# Measured on the seed pair (junit): these were about 730 of its 3000 worker-seconds;
 # CI had reached 3656 s of its 60 minutes.
 ONCE = ["tests/test_pr_checks.py", "tests/test_series_reproducers.py", "tests/test_reproducers.py",
         "tests/test_diffs_run_real.py",
@@ -88,7 +93,7 @@ def _interpreter(version: str) -> str:
 
 # torch and what it needs, installed once (``pip install --target``) for every session that needs the heavy
 # stack and put on each session's path by a .pth file: the same pinned build in every session, and one
-# install instead of six (measured on this 2-core machine: 93 s for the shared install, then 8 s a session
+# install instead of six (measured on a 2-core machine: 93 s for the shared install, then 8 s a session
 # to confirm it, against about 90-130 s for each session's own). The framework sessions never see it.
 SHARED_TORCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".nox", "_shared-torch")
 
@@ -139,6 +144,26 @@ def tests(session, env):
     session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadfile", "--durations=40",
                 f"--junitxml={junit}",
                 *marks, *[arg for path in skipped for arg in ("--ignore", path)], *session.posargs)
+
+
+# A quick check before the full run (the README's fast command): on the latest pair, the default selftest
+# (every patch's bug reproduced and fixed once, on real paths) and the tests that need no model loads of their
+# own beyond a few tiny ones: the registry and lifecycle, the CLI, diagnosis, the upstream-diff checks, the
+# survey tables, the selftest layout and the docs. Not a default session: CI runs all of these anyway.
+FAST = ["tests/test_registry.py", "tests/test_lifecycle.py", "tests/test_unpatch_install.py",
+        "tests/test_concurrent_import.py", "tests/test_enable.py", "tests/test_hook_state.py",
+        "tests/test_cli_errors.py", "tests/test_explain.py", "tests/test_diagnose.py", "tests/test_diffs.py",
+        "tests/test_survey.py", "tests/test_selftest_layout.py", "tests/test_selftest_requires.py",
+        "tests/test_tied_groups_sizes.py", "tests/reports/test_docs.py"]
+
+
+@nox.session(python="3.11", default=False)
+def fast(session):
+    _install_stack(session, MATRIX["latest"])
+    session.run("metapatch", "status", "--import-targets")
+    session.run("metapatch", "selftest")
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadfile",
+                "-m", "not slow and not ranks", *FAST, *session.posargs)
 
 
 # The selftest runs one scenario at a time; two lanes (each its own `metapatch selftest`) keep both

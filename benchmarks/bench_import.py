@@ -1,4 +1,4 @@
-"""Import overhead, measured side by side in one run (issue 2).
+"""Import overhead, measured side by side in one run.
 
 Interleaves fresh interpreters running ``import transformers`` with and without a preceding
 ``import metapatch`` and reports the ratio of medians; also ``import metapatch`` alone against an

@@ -22,7 +22,7 @@ decoder layers on disk, and reports the ratio of the medians with the spread (mi
 * transformers' ``base.load_adapter(adapter)`` and ``base.load_adapter(adapter, device_map="auto")``
   (transformers 5 reads ``device_map`` there as the adapter's loading map, not a new placement)
 
-Goal (issue 26): <= 1.20 in every row but the "sequential" one (a real move of half the model). Rounds are interleaved row by row and side by side (which side
+Goal: <= 1.20 in every row but the "sequential" one (a real move of half the model). Rounds are interleaved row by row and side by side (which side
 goes first alternates), after one untimed warm-up of each row; every base is loaded (and its offload
 folder flushed) before timing. Besides the wall time, each call's process CPU time is reported: on a
 shared machine the wall time includes waits for a core.

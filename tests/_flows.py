@@ -1,4 +1,4 @@
-"""A differential flow tester (issue 22, deliverable 4): random sequences of what users do with a model, run
+"""A differential flow tester: random sequences of what users do with a model, run
 on an in-memory tiny Llama and on an offloaded copy of the same checkpoint (a random cpu/disk placement through
 a real ``from_pretrained(device_map=..., offload_folder=...)``), with metapatch active.
 
@@ -43,7 +43,7 @@ MODULES = ("model.embed_tokens", "model.layers.0", "model.layers.1", "model.laye
            "model.norm", "lm_head")
 LINEAR_TARGETS = ("q_proj", "v_proj", "o_proj", "down_proj")
 # Initialisations whose offloaded result is still open: kept out of the CI run, taken by the long run with
-# --inits all. PiSSA and OLoRA (issue 22 findings 1-2) are kept by the offload store now.
+# --inits all. PiSSA's and OLoRA's residual writes into offloaded base weights are kept by the offload store now.
 OPEN_INITS: tuple = ()
 INITS = (False, True, "gaussian", "pissa", "olora")
 STATS: Dict[str, int] = {"sequences": 0, "steps": 0, "refused": 0, "reference_failed": 0}

@@ -1,5 +1,5 @@
 """peft's general test files (tests/test_custom_models.py, test_other.py, test_initialization.py) from the
-installed peft's sdist, as a runnable copy in tmp_path with a fixed, documented sample (issue 22 deliverable 3).
+installed peft's sdist, as a runnable copy in tmp_path with a fixed, documented sample.
 
 The copy: the three files and the helpers they import relatively (testing_common.py, testing_utils.py) in a
 ``tests`` package, peft's markers and filterwarnings as a ``pytest.ini`` (as for the offload suite), and a

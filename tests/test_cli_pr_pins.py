@@ -230,7 +230,7 @@ def test_pr_commits_the_diff_on_a_new_branch_and_writes_the_body(clone, setup_pa
     namespace = {}
     exec(compile(code_block, "reproducer", "exec"), namespace)  # self-contained: it runs as printed
     assert namespace["reproduce_fake"](None) == {"max_abs_diff": 0.0}
-    # The body names the scenario it shows (issue 15: it once named another one).
+    # The body names the scenario it shows (not another scenario of the patch).
     assert "`reproduce_fake` from `mp_fake_selftest`: shows it. Without the fix it raises `AssertionError`." in reproducer
     assert "- `slow_variant`: a slow one. Without the fix it raises `ValueError`." in reproducer
     assert "not ours" not in reproducer

@@ -1,4 +1,4 @@
-"""Concurrent first imports with metapatch behave as without it: they never hang (issue 12).
+"""Concurrent first imports with metapatch behave as without it: they never hang.
 
 The hang: the import system calls every meta-path finder under its global import lock. wrapt's
 post-import finder answered by calling ``importlib.util.find_spec``, which re-imports the parent

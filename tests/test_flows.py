@@ -1,4 +1,4 @@
-"""The differential flow tester's CI run (tests/_flows.py, issue 22): a few derandomized sequences of user steps
+"""The differential flow tester's CI run (tests/_flows.py): a few derandomized sequences of user steps
 on an in-memory tiny Llama and on an offloaded copy, with metapatch active; equal results or MetapatchError at
 every step, nothing written outside the named folders. The long run is a command (see tests/_flows.py)."""
 
@@ -27,7 +27,7 @@ def test_flows_ran_steps():
     if _flows.STATS["sequences"] == 0:
         pytest.skip("run together with TestFlowsCI (it fills the counters)")
     assert _flows.STATS["steps"] > 2 * _flows.STATS["sequences"]
-    # every sequence has its wall time (issue 26 item 4), and they add up to what the steps took
+    # every sequence has its wall time (to find slow steps), and they add up to what the steps took
     assert len(_flows.SEQUENCES) == _flows.STATS["sequences"]
     assert sum(s["steps"] for s in _flows.SEQUENCES) == _flows.STATS["steps"]
     assert all(s["seconds"] > 0 and s["ended"] in ("ran", "refused", "reference failed") for s in _flows.SEQUENCES)
@@ -41,7 +41,7 @@ def test_sequence_lines_give_each_wall_time_and_the_total():
     assert _flows.sequence_lines([]) == []
 
 
-# -- shrunk sequences the long run found, in another area (the PEFT adapter offload store, issue 22 items 1-3) ----
+# -- shrunk sequences the long run found, in another area (the PEFT adapter offload store) -------------------------
 
 _LM_HEAD_ON_DISK = ["cpu"] * 6 + ["disk"]  # embed_tokens, layers 0-3, norm on cpu; lm_head on disk
 
@@ -69,7 +69,7 @@ def test_save_adapter_targeting_an_offloaded_head():
 
 
 def test_pissa_on_an_offloaded_head():
-    """Found by the flow tester (issue 22 finding 1): PiSSA's residual write into an offloaded lm_head's
+    """Found by the flow tester: PiSSA's residual write into an offloaded lm_head's
     base weight was dropped (logits off by ~0.09); the offload store keeps it."""
     _replay([("add_adapter", {"spec": {"kind": "lora", "targets": ["embed_tokens", "lm_head", "q_proj"], "r": 2,
                                        "init": "pissa", "modules_to_save": None}})])
@@ -99,7 +99,7 @@ def test_save_adapter_after_resizing_an_offloaded_embedding():
 
 
 def test_dora_through_load_adapter_replays():
-    """Found by the long run (fourteenth session): a DoRA adapter saved and reloaded through transformers'
+    """Found by the long run: a DoRA adapter saved and reloaded through transformers'
     load_adapter differed from the in-memory reload by 0.03. Not a meta-device bug: see the next test. The flow
     tester now reloads DoRA adapters through PEFT, which this replay of the shrunk sequence exercises."""
     _replay([("add_adapter", {"spec": {"kind": "dora", "targets": ["q_proj"], "r": 2, "modules_to_save": None}}),
@@ -138,7 +138,7 @@ def test_transformers_load_adapter_leaves_dora_magnitudes_missing_upstream(tmp_p
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "open (found by the long flow run, fifteenth session): a trainable parameter of an offloaded module is "
+    "open (found by the long flow run): a trainable parameter of an offloaded module is "
     "silently not trained, upstream and with metapatch: accelerate's hook onloads a copy for the forward, the "
     "gradient lands on that copy and is dropped with it"))
 def test_training_a_trainable_offloaded_parameter(tmp_path):

@@ -1,4 +1,4 @@
-"""Lifecycle states beyond the basics of test_registry.py (issues 11 and 12): unpatch() then
+"""Lifecycle states beyond the basics of test_registry.py: unpatch() then
 install() restores every site, targets replaced by another library are ``conflict``, versions
 outside the support window are ``not-measured``, and warnings reach the user once, at the user's
 line. Synthetic targets in child interpreters (real import order), plus the real stack where
@@ -464,7 +464,7 @@ class AheadFinder:
 
 @pytest.mark.parametrize("then", ["import-other", "status", "import-target-directly"])
 def test_target_loaded_by_a_finder_inserted_ahead_is_patched(world, then):
-    """Issue 22: a finder another library inserts at sys.meta_path[0] after metapatch loads the target itself.
+    """A finder another library inserts at sys.meta_path[0] after metapatch loads the target itself.
     Metapatch's finder gets back in front at the next import it sees (and still asks that finder, so the
     module keeps that finder's loader); a target that finder already loaded is patched late, at the next
     import through metapatch's finder or at status(), which says why."""

@@ -1,4 +1,4 @@
-"""What `metapatch pr` runs before it prints `gh pr create` (issue 15): upstream's tests of the
+"""What `metapatch pr` runs before it prints `gh pr create`: upstream's tests of the
 touched files on the base and with the diff, the regression tests (fail on the base, pass with the
 diff), and upstream's ruff configuration. On a tiny local git repository (real git, real pytest,
 real ruff), and on a real accelerate clone when /work/.mirror has one."""

@@ -1,5 +1,5 @@
 """The standalone reproducers that `metapatch pr` puts whole into each PR body
-(upstream_diffs/<id>/reproducer.py, issue 15): each runs with plain `python`, metapatch neither
+(upstream_diffs/<id>/reproducer.py): each runs with plain `python`, metapatch neither
 imported nor on the path, on the installed stack, and fails with the error its docstring names
 where the installed versions have the bug, or passes where they do not.
 

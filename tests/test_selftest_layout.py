@@ -1,4 +1,4 @@
-"""The selftest package's layout (issue 25): one public module per patch id declaring that patch's
+"""The selftest package's layout: one public module per patch id declaring that patch's
 scenarios, private modules for what several share, and imports that still resolve after a module
 moved (an import inside a scenario function only fails when the scenario runs, and a scenario that
 catches it reports n/a instead)."""

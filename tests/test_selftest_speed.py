@@ -1,4 +1,4 @@
-"""How `metapatch selftest` spends its time (issue 26 item 3): the schedule (a patch's representative
+"""How `metapatch selftest` spends its time: the schedule (a patch's representative
 first, both runs of a scenario in flight at once, progress on stderr), the warm parent that serves
 several runs at once and reports their CPU time, and the proof that a child forked from a parent that
 preloaded the stack sees the patches exactly as a fresh interpreter does."""

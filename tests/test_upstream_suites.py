@@ -1,5 +1,5 @@
 """Upstream's own tests, from the released sdists of the installed versions, run without and with
-metapatch (issues 7 and 15).
+metapatch: the outcome of every test must be the same.
 
 accelerate: tests/test_big_modeling.py, test_hooks.py, test_modeling_utils.py, test_offload.py give
 the same pass/fail/skip set with metapatch active as without it.
@@ -37,7 +37,7 @@ SUITES = {
     "accelerate": ["tests/test_big_modeling.py", "tests/test_hooks.py", "tests/test_modeling_utils.py",
                    "tests/test_offload.py"],
 }  # peft: test_peft_offload_tests_pass_with_metapatch, on a generated CPU copy
-# Beyond the four offload files (issue 22 deliverable 3), CPU-runnable files that reach what metapatch wraps
+# Beyond the four offload files, CPU-runnable files that reach what metapatch wraps
 # outside big_modeling/hooks: test_accelerator.py (Accelerator.prepare -> prepare_model, wrapped by the FSDP
 # patches; saving/loading models with offload hooks), test_utils.py (the offload and state-dict helpers,
 # extract_submodules_state_dict among them), test_quantization.py (load_checkpoint_and_dispatch and
@@ -204,7 +204,7 @@ def test_peft_offload_tests_pass_with_metapatch(sdist_root, tmp_path):
                          f"passed without it, fail with it: {broken or 'none'}\n{summary}")
 
 
-# -- peft's general test files, a fixed sample (issue 22 deliverable 3) ------------------------------------------
+# -- peft's general test files, a fixed sample ------------------------------------------------------------
 
 
 def _run_peer_suite(built: dict, *, with_metapatch: bool, out: Path, full: bool) -> tuple:

@@ -10,7 +10,7 @@ Why not ``wrapt.register_post_import_hook``: the import system calls every finde
 being executed by another thread (which the import system allows after its deadlock detection
 breaks a cross-thread import cycle), the call waits for the parent's module lock while holding the
 global import lock, and the thread executing the parent waits for the global import lock: a
-deadlock the import system cannot see, at 0 % CPU (issue 12). This finder never imports, never
+deadlock the import system cannot see, at 0 % CPU. This finder never imports, never
 waits on a lock, and calls the other finders exactly as the import system would.
 
 Rules the callbacks rely on:

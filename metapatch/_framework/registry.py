@@ -43,7 +43,7 @@ class Registry:
         self._status: Dict[str, PatchStatus] = {}
         # Guards _status and the swaps. Never held while importing, calling a patch's factory or
         # emitting a warning: the import system's deadlock detection cannot see this lock, so a
-        # thread holding it must never wait for an import lock (issue 12).
+        # thread holding it must never wait for an import lock.
         self._lock = threading.RLock()
         # watched module -> the ids of the patches with a target there, as their hooks were registered
         self._ids_by_module: Dict[str, Dict[str, None]] = {}

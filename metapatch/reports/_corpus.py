@@ -186,7 +186,7 @@ REPORTS = (
            frames=("accelerate.utils.modeling:infer_auto_device_map",)),
     Report("transformers-43523-tie-on-meta-from-config", "https://github.com/huggingface/transformers/pull/43523",
            "Tie the weights even if initializing from a config on meta device", "huggingface/transformers",
-           "transformers 5.0 (issue #43522)",
+           "transformers 5.0 (transformers#43522)",
            "_from_config under torch.device('meta') skipped tying, leaving lm_head a separate meta parameter",
            "transformers-tie-on-meta", (r"lm_head\.weight",), FIXED_UPSTREAM,
            "Measured with the survey wheels: 5.0.0 fails, 5.1.0 and later tie (4.57.6 tied too).",

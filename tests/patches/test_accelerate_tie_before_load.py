@@ -120,7 +120,7 @@ def _digests(folder):
 @needs_patch
 @pytest.mark.parametrize("embed, head", [("disk", "disk"), ("cpu", "disk"), ("disk", "cpu")])
 def test_load_checkpoint_and_dispatch_tied_pair_on_disk_or_split(tmp_path, monkeypatch, embed, head):
-    """Issue 22: a tied pair on disk (upstream: KeyError 'lm_head.weight' at the first forward) or split across
+    """A tied pair on disk (upstream: KeyError 'lm_head.weight' at the first forward) or split across
     cpu/disk (KeyError, or 'weight is on the meta device, we need a `value`') loads as from_pretrained does:
     the logits and greedy tokens of the in-memory model; only the named offload folder is written to."""
     from accelerate import load_checkpoint_and_dispatch

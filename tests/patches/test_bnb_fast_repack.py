@@ -1,6 +1,6 @@
 """bnb-cpu-repack-copy: the byte-level CPU layout (metapatch._offload.bnb_fast_repack) of disk-offloaded
 4-bit weights is bitsandbytes' own, and a disk-offloaded layer's forward with it equals the
-in-memory model's (issue 24 item 4). The layout check runs on any CPU (the conversion is plain
+in-memory model's. The layout check runs on any CPU (the conversion is plain
 torch); the forward check runs the repack path where the CPU has it and says which path ran."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 metapatch holds it onloaded is kept for the hook to serve, or refused; and the PEFT / load-adapter
 wrappers leave a model with nothing offloaded to upstream, call for call.
 
-Regression tests of issue 22's findings, on real offloaded models (tiny Llama and GPT-2 for Conv1D, layers
+Regression tests of the offload store's findings, on real offloaded models (tiny Llama and GPT-2 for Conv1D, layers
 on disk through ``offload_folder``, non-zero adapters), each compared with the in-memory model:
 
 1. ``get_peft_model`` with PiSSA/OLoRA (their residual ``W - s·B·A`` written into the base weight);

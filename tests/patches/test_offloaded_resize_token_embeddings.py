@@ -104,7 +104,7 @@ def _digests(folder):
 @needs_patch
 @pytest.mark.parametrize("entry", ["load_adapter", "PeftModel.from_pretrained"])
 def test_resize_then_load_the_lora_for_the_new_tokens(tmp_path, monkeypatch, entry):
-    """Issue 22, finding 4: the resized embedding/head are offloaded again (on meta between forwards, served
+    """The resized embedding/head are offloaded again (on meta between forwards, served
     from memory), and a non-zero LoRA trained for the added tokens, embedding LoRA included, then loads
     over them as over the in-memory model; nothing is written to the checkpoint or the offload folder."""
     torch = pytest.importorskip("torch")
@@ -167,7 +167,7 @@ def _upstream_calls(model, call):
 
 @pytest.mark.parametrize("on_meta", [False, True], ids=["in-memory", "init_empty_weights"])
 def test_nothing_offloaded_calls_upstream_untouched(on_meta):
-    """Issue 22, finding 6: a model in memory, or built on meta under ``init_empty_weights`` (no hooks), is
+    """A model in memory, or built on meta under ``init_empty_weights`` (no hooks), is
     resized by upstream exactly as without metapatch: the same results, the same calls upstream makes."""
     torch = pytest.importorskip("torch")
     accelerate = pytest.importorskip("accelerate")

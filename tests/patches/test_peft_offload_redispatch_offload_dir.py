@@ -1,7 +1,7 @@
 """peft-offload-redispatch: ``offload_dir`` alone (what peft's own error message tells users to pass)
 asks for no new placement, so the base's dispatch is kept as for a plain call: same hook objects,
 nothing written to the folder, the offload folder and checkpoint unchanged, in-memory logits.
-Without this the call took the full re-dispatch (1.8-2.0 times the in-memory load, issue 26)."""
+Without this the call took the full re-dispatch (1.8-2.0 times the in-memory load)."""
 
 from __future__ import annotations
 

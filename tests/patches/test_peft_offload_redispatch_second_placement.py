@@ -4,7 +4,7 @@ keeps the base's dispatch, as passing nothing does. Where it equals the base's p
 its dispatch (the same hook objects, as for a plain call); where it differs only the map entries
 whose tensors move are unhooked and moved, the others keep their hooks. Always: the in-memory
 model's logits, the base's offload folder and checkpoint unchanged, nothing written outside the
-``offload_dir`` named at the call (and there only tensors newly sent to disk). Issue 26.
+``offload_dir`` named at the call (and there only tensors newly sent to disk).
 
 The maps and budgets here name ``cpu`` and ``disk`` only, so every model computes on the CPU whatever
 the machine has (the same flows with GPU 0 in the map are the selftest scenarios' ``max-memory-*`` kinds,

@@ -1,4 +1,4 @@
-"""peft-offload-redispatch's cheaper reads (issue 26): the helpers that replaced slower upstream calls
+"""peft-offload-redispatch's cheaper reads: the helpers that replaced slower upstream calls
 give exactly what those calls give. The module walk names the modules ``named_modules`` names, in its
 order; a disk layer's tensors read back with the checkpoint opened once equal what accelerate's own
 loader reads, tensor for tensor; the declared-ties probe answers what ``getattr`` answers; an

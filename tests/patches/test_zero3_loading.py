@@ -14,7 +14,7 @@ import pytest
 from metapatch.selftest._models import input_ids, max_abs_diff, save_tiny_llama
 from metapatch.selftest._ranks import raise_first_error, run_ranks
 
-pytest.importorskip("deepspeed", reason="deepspeed is not installed (not in CI's installs: see the README)")
+pytest.importorskip("deepspeed", reason="deepspeed is not installed (not in CI's installs: see docs/distributed.md)")
 
 pytestmark = [pytest.mark.ranks, pytest.mark.slow]
 HERE_ON_PATH = {"PYTHONPATH": os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p),

@@ -3,7 +3,7 @@ tensors keep their placement keep their accelerate hooks (and their offloaded we
 are), and only the entries whose tensors move are unhooked, moved and hooked again. A full
 re-dispatch would remove every hook, rebuild the weights map of the whole model and hook every
 module again (most of the cost of ``PeftModel.from_pretrained(..., device_map="auto")`` over an
-offloaded base, issue 26)."""
+offloaded base: 1.8-2.0 times the in-memory load)."""
 
 from __future__ import annotations
 

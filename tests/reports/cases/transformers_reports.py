@@ -105,7 +105,7 @@ def save_disk_offloaded_moe(workdir: Path) -> Dict[str, Any]:
 
 
 def tie_from_config_on_meta(workdir: Path) -> Dict[str, Any]:
-    """transformers PR #43523 (issue #43522): ``_from_config`` under ``torch.device("meta")`` did not
+    """transformers#43523 (fixing transformers#43522): ``_from_config`` under ``torch.device("meta")`` did not
     tie the embeddings, so ``lm_head.weight`` became a separate (meta) parameter."""
     from transformers import LlamaForCausalLM
 
