@@ -79,8 +79,10 @@ def _scan_for_hooked_modules() -> None:
     from metapatch._offload.hook_state import hooked
 
     _State.scanned = True
+    module_type = torch.nn.Module
     for obj in gc.get_objects():
-        if isinstance(obj, torch.nn.Module) and hooked(obj):
+        # type(), not isinstance(): isinstance reads __class__, which some deprecated proxies warn about
+        if issubclass(type(obj), module_type) and hooked(obj):
             _record(obj)
 
 
