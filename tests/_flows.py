@@ -10,7 +10,8 @@ goes to folders the flow names: offload folders and adapter folders under its ow
 
 Steps: get_peft_model / add_adapter with a random tuner (LoRA with every ``init_lora_weights`` in ``INITS``,
 DoRA, IA3, LoHa) over random target modules, modules_to_save; set/delete/merge adapters; resize the
-embeddings; one training step; save the adapter and reload it over a fresh base through
+embeddings; one optimizer step (SGD or AdamW, with or without gradient accumulation; full fine-tuning where
+there is no adapter: refused where a trainable parameter is offloaded); save the adapter and reload it over a fresh base through
 ``PeftModel.from_pretrained`` or transformers' ``load_adapter``; generate.
 
 The CI run is ``tests/test_flows.py`` (derandomized, a few examples). The long run, a command::
@@ -278,26 +279,34 @@ def make_machine(inits: tuple = INITS):
                           lambda m: m.resize_token_embeddings(size, mean_resizing=mean_resizing)) is not None:
                 self.vocab = size
 
-        @precondition(lambda self: not self.done and self.adapters)
-        @rule()
-        def train_step(self) -> None:
+        @precondition(lambda self: not self.done)
+        @rule(optimizer=st.sampled_from(["sgd", "adamw"]), accumulate=st.sampled_from([1, 2]))
+        def train_step(self, optimizer: str, accumulate: int) -> None:
+            """An optimizer step (after ``accumulate`` backward passes) over every trainable parameter: the adapters,
+            or the whole model where it has none (full fine-tuning). Where a trainable parameter is offloaded the
+            offloaded side must refuse (MetapatchError ends the flow): its gradient would be dropped with the copy
+            the hook onloaded for the forward."""
             import torch
 
             def step(model: Any) -> Dict[str, Any]:
+                params = [p for p in model.parameters() if p.requires_grad]
+                make = torch.optim.SGD if optimizer == "sgd" else torch.optim.AdamW
+                opt = make(params, lr=0.1 if optimizer == "sgd" else 1e-2)
                 model.train()
                 ids = self._ids()
-                loss = model(input_ids=ids, labels=ids).loss
-                loss.backward()
-                with torch.no_grad():
-                    for param in model.parameters():
-                        if param.requires_grad and param.grad is not None:
-                            param -= 0.1 * param.grad
-                            param.grad = None
+                losses = []
+                for _ in range(accumulate):
+                    loss = model(input_ids=ids, labels=ids).loss / accumulate
+                    loss.backward()
+                    losses.append(loss.detach())
+                loss = sum(losses)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
                 model.eval()
                 return {"loss": loss.detach(),
                         "trained": {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}}
 
-            pair = self._both("train step", step)
+            pair = self._both(f"train step ({optimizer}, {accumulate} backward)", step)
             if pair is not None:
                 ref, off = pair
                 assert torch.equal(ref["loss"], off["loss"]), f"loss {ref['loss']} vs {off['loss']}"

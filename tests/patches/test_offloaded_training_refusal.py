@@ -196,3 +196,47 @@ def test_an_optimizer_built_on_meta_before_to_empty_steps(checkpoint, tmp_path):
     _loss(model).backward()
     optimizer.step()
     assert not any(p.is_meta for p in model.parameters())
+
+
+LATE = r"""
+import tempfile, torch
+from accelerate import dispatch_model
+from accelerate.utils import offload_state_dict
+from torch import nn
+model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+folder = tempfile.mkdtemp()
+offload_state_dict(folder, {k: v for k, v in model.state_dict().items() if k.startswith("1.")})
+dispatch_model(model, device_map={"0": "cpu", "1": "disk"}, offload_dir=folder)
+import metapatch  # after the model was dispatched: its hooks were attached unseen
+def step():
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(2, 8)).sum().backward()
+    try:
+        optimizer.step()
+    except metapatch.MetapatchError as error:
+        return "refused: " + str(error).split(". Between")[0]
+    return "stepped"
+print(step())
+metapatch.unpatch("offloaded-training-refusal")
+print(step())
+metapatch.install()
+print(step())
+"""
+
+
+@in_range
+def test_imported_after_dispatch_refuses_and_unpatch_turns_it_off(tmp_path):
+    """metapatch imported after the model was dispatched (its offload hooks were never recorded): the step is still
+    refused by name; after unpatch() it steps as upstream does, and install() brings the refusal back."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "METAPATCH_STRICT"}  # the late import warns
+    run = subprocess.run([sys.executable, "-c", LATE], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.strip().splitlines()
+    assert lines[0].startswith("refused: ") and "1.weight, 1.bias" in lines[0], lines
+    assert lines[1] == "stepped", lines
+    assert lines[2].startswith("refused: "), lines
