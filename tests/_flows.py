@@ -1,6 +1,7 @@
 """A differential flow tester (issue 22, deliverable 4): random sequences of what users do with a model, run
 on an in-memory tiny Llama and on an offloaded copy of the same checkpoint (a random cpu/disk placement through
-a real ``from_pretrained(device_map=..., offload_folder=...)``), with metapatch active.
+a real ``from_pretrained(device_map=..., offload_folder=...)``), with metapatch active. The in-memory model is
+loaded with ``from_pretrained`` or built under ``init_empty_weights()``, ``to_empty()`` and ``load_state_dict``.
 
 After every step: where the in-memory model succeeds, the offloaded one gives equal logits (``torch.equal``:
 the same float operations on the same CPU), equal greedy tokens, an equal saved adapter, or raises
@@ -133,13 +134,36 @@ def _run(fn: Any, *args: Any) -> _Twin:
         return _Twin(error=exc)
 
 
+def _built_empty(checkpoint: Path) -> Any:
+    """The checkpoint's model built under ``init_empty_weights()``, ``to_empty()`` on the CPU, then
+    ``load_state_dict`` of its file (a tied head is tied again, as ``from_pretrained`` ties it)."""
+    from accelerate import init_empty_weights
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    with init_empty_weights():
+        model = LlamaForCausalLM(AutoConfig.from_pretrained(checkpoint))
+    model.to_empty(device="cpu")
+    state = load_file(str(checkpoint / "model.safetensors"))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    if missing:
+        model.tie_weights()
+    return model
+
+
 def make_machine(inits: tuple = INITS):
     class FlowMachine(RuleBasedStateMachine):
         """Two models (``ref`` in memory, ``off`` offloaded) driven by the same steps."""
 
         @initialize(tied=st.booleans(), placement=st.lists(st.sampled_from(["cpu", "disk"]), min_size=len(MODULES),
-                                                           max_size=len(MODULES)))
-        def load(self, tied: bool, placement: List[str]) -> None:
+                                                           max_size=len(MODULES)),
+                    via=st.sampled_from(["from_pretrained", "to_empty"]))
+        def load(self, tied: bool, placement: List[str], via: str = "from_pretrained") -> None:
+            """The offloaded model through ``from_pretrained(device_map=...)``; the in-memory one the same way, or
+            (``via="to_empty"``) built under accelerate's ``init_empty_weights()``, materialised with
+            ``to_empty()`` and loaded with torch's ``load_state_dict``: its non-persistent buffers (the rotary
+            table) are in no checkpoint and must keep the values they were built with."""
             from transformers import LlamaForCausalLM
 
             self.started, self.counts = time.monotonic(), dict(STATS)  # for this sequence's own share
@@ -153,8 +177,9 @@ def make_machine(inits: tuple = INITS):
             self.hashes = _digests(self.checkpoint)
             self.device_map = {"model.rotary_emb": "cpu", **dict(zip(MODULES, placement))}
             self.loads = 0
-            note(f"tied={tied} device_map={self.device_map}")
-            self.ref = LlamaForCausalLM.from_pretrained(self.checkpoint).eval()
+            note(f"tied={tied} device_map={self.device_map} in-memory model via {via}")
+            self.ref = (LlamaForCausalLM.from_pretrained(self.checkpoint) if via == "from_pretrained"
+                        else _built_empty(self.checkpoint)).eval()
             self.off = self._load_offloaded()
             self.peft = False  # PeftModel (True) or a transformers model (False)
             self.adapters: List[str] = []
