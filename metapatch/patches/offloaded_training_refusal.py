@@ -9,19 +9,20 @@ get a gradient, so ``optimizer.step()`` updates only the parameters kept in memo
 ``torch.optim.AdamW(model.parameters())`` or transformers' ``Trainer.train()`` runs, reports a falling loss, and
 leaves every offloaded weight at its checkpoint value. Nothing says so.
 
-Here a global optimizer step pre-hook (torch's ``register_optimizer_step_pre_hook``, registered when the patch
-applies) checks each optimizer once (again when its parameter count changes) before its first step: a parameter
-that requires a gradient, is on meta and has none is a placeholder when an accelerate offload hook serves a
-parameter of its shape and dtype that requires a gradient (the hooks attached through ``add_hook_to_module`` are
-recorded; an optimizer built before the first forward holds the very placeholders, named exactly). Such a step
-raises :class:`OffloadedTrainingError` before anything is updated, naming the offloaded trainable weights and
-what to do: freeze them (``requires_grad_(False)``), train adapters with PEFT over the offloaded base, or load
-with a placement that keeps the trainable tensors in memory.
+Here, when an optimizer takes a parameter group (``Optimizer.add_param_group``, which ``Optimizer.__init__`` calls),
+each trainable meta parameter that is at that moment a placeholder an accelerate offload hook serves is noted, by
+identity, with its name (the hooks attached through ``add_hook_to_module`` are recorded). A global optimizer step
+pre-hook (torch's ``register_optimizer_step_pre_hook``, registered when the patch applies) checks each optimizer
+once (again when its parameter count changes) before its first step: a noted placeholder that requires a gradient
+and has none (or one still served at the step) makes the step raise :class:`OffloadedTrainingError` before
+anything is updated, naming the offloaded trainable weights and what to do: freeze them
+(``requires_grad_(False)``), train adapters with PEFT over the offloaded base, or load with a placement that keeps
+the trainable tensors in memory.
 
 Left alone: an optimizer with no such parameter (nothing offloaded, a frozen offloaded base under PEFT adapters,
-parameters built on meta and materialised with ``to_empty()`` before the first step: byte-equal updates, the
-pre-hook returns without touching anything); a meta parameter that has a gradient (a shape-only dry run on
-meta). A hand-written update loop (``param -= lr * param.grad``) never calls an optimizer and is not seen: its
+an optimizer built over a model on meta that ``to_empty()`` materialised: byte-equal updates, the pre-hook returns
+without touching anything); a meta parameter that has a gradient (a shape-only dry run on meta). An optimizer
+built before metapatch was imported noted nothing: only the placeholders still served at its step are seen. A hand-written update loop (``param -= lr * param.grad``) never calls an optimizer and is not seen: its
 offloaded parameters have no gradient, so it skips them.
 """
 
@@ -50,6 +51,18 @@ class _State:
 _OFFLOADING: "weakref.WeakSet[Any]" = weakref.WeakSet()
 # optimizer -> how many parameters it had when it was found to hold no offloaded placeholder.
 _CHECKED: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+# placeholder parameter -> its name, noted when an optimizer took it (a torch.utils.weak.WeakIdKeyDictionary:
+# tensors compare by value, so only identity may key them)
+_NOTED: Any = None
+
+
+def _noted() -> Any:
+    global _NOTED
+    if _NOTED is None:
+        from torch.utils.weak import WeakIdKeyDictionary
+
+        _NOTED = WeakIdKeyDictionary()
+    return _NOTED
 
 
 def _installed() -> bool:
@@ -93,22 +106,35 @@ def _served() -> List[Tuple[str, Any]]:
             if param.requires_grad]
 
 
-def _offloaded_in(candidates: List[Any]) -> List[str]:
-    """The names of the offloaded trainable weights that ``candidates`` (meta, trainable, no gradient) stand for:
-    by identity (an optimizer built before the first forward), else by shape and dtype (the hooks put a new
-    placeholder in place after every forward)."""
+def _served_by_id() -> Dict[int, str]:
     served = _served()
     if not served and not _State.scanned:
         _scan_for_hooked_modules()
         served = _served()
-    by_id = {id(param): name for name, param in served}
-    by_shape: Dict[Tuple[Any, ...], List[str]] = {}
-    for name, param in served:
-        by_shape.setdefault((tuple(param.shape), param.dtype), []).append(name)
-    names: List[str] = []
-    for param in candidates:
-        found = [by_id[id(param)]] if id(param) in by_id else by_shape.get((tuple(param.shape), param.dtype), [])
-        names.extend(n for n in found if n not in names)
+    return {id(param): name for name, param in served}
+
+
+def _note_placeholders(params: List[Any]) -> None:
+    """Note each trainable meta parameter of ``params`` that an offload hook serves right now (the hooks put a new
+    placeholder in place after every forward: the optimizer keeps the one it took)."""
+    meta = [p for p in params if getattr(p, "is_meta", False) and p.requires_grad]
+    if not meta:
+        return
+    by_id = _served_by_id()
+    noted = _noted()
+    for param in meta:
+        if id(param) in by_id:
+            noted[param] = by_id[id(param)]
+
+
+def _offloaded_in(candidates: List[Any]) -> List[str]:
+    """The names of the offloaded trainable weights among ``candidates`` (meta, trainable, no gradient): noted when
+    the optimizer took them, or still served now."""
+    noted = _noted()
+    names = [noted[p] for p in candidates if p in noted]
+    if len(names) < len(candidates):
+        by_id = _served_by_id()
+        names += [by_id[id(p)] for p in candidates if p not in noted and id(p) in by_id]
     return names
 
 
@@ -128,7 +154,7 @@ def _before_step(optimizer: Any, args: tuple, kwargs: dict) -> None:
         _CHECKED[optimizer] = count
         return None
     raise OffloadedTrainingError(
-        f"metapatch: {type(optimizer).__name__}.step() over {len(candidates)} trainable parameter(s) whose "
+        f"metapatch: {type(optimizer).__name__}.step() over {len(names)} trainable parameter(s) whose "
         f"weights accelerate offloaded (to cpu or disk): {_shown(names)}. Between forwards they are placeholders on "
         f"the meta device; each forward loads a fresh copy from the offload store, the gradient lands on that copy "
         f"and is dropped with it, so the step would leave them untrained while the parameters in memory train. "
@@ -167,6 +193,16 @@ def _recording(original: Any) -> Any:
     return add_hook_to_module
 
 
+def _add_param_group(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    result = wrapped(*args, **kwargs)
+    if _OFFLOADING or not _State.scanned:  # no offload hook seen: nothing can be a placeholder
+        try:
+            _note_placeholders(list(instance.param_groups[-1]["params"]))
+        except Exception:  # noqa: BLE001 - noting must never break building an optimizer
+            pass
+    return result
+
+
 PATCH = Patch(
     id=PATCH_ID,
     title="An optimizer step over trainable parameters accelerate offloaded to cpu/disk raises MetapatchError "
@@ -179,6 +215,9 @@ PATCH = Patch(
         Target("accelerate.hooks", "add_hook_to_module",
                fingerprints=("a9b520badac922b7",),  # accelerate 1.13.0, 1.15.0, 1.16.0 (read from each release)
                replacement=_recording),
+        Target("torch.optim.optimizer", "Optimizer.add_param_group",
+               fingerprints=("6460aa1b3890d5ee",),  # torch 2.13.0
+               wrapper=_add_param_group),
     ),
     upstream=Upstream(
         bug=("https://github.com/huggingface/accelerate/issues?q=offload+training+gradient+meta",),
