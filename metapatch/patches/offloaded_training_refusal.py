@@ -21,9 +21,10 @@ the trainable tensors in memory.
 
 Left alone: an optimizer with no such parameter (nothing offloaded, a frozen offloaded base under PEFT adapters,
 an optimizer built over a model on meta that ``to_empty()`` materialised: byte-equal updates, the pre-hook returns
-without touching anything); a meta parameter that has a gradient (a shape-only dry run on meta). An optimizer
-built before metapatch was imported noted nothing: only the placeholders still served at its step are seen. A hand-written update loop (``param -= lr * param.grad``) never calls an optimizer and is not seen: its
-offloaded parameters have no gradient, so it skips them.
+without touching anything); a meta parameter that has a gradient (a shape-only dry run on meta). Not seen: an
+optimizer built before metapatch was imported noted nothing (only placeholders still served at its step count),
+and a hand-written update loop (``param -= lr * param.grad``) calls no optimizer (its offloaded parameters have no
+gradient, so it skips them).
 """
 
 from __future__ import annotations
