@@ -1,6 +1,7 @@
 """A differential flow tester: random sequences of what users do with a model, run
 on an in-memory tiny Llama and on an offloaded copy of the same checkpoint (a random cpu/disk placement through
-a real ``from_pretrained(device_map=..., offload_folder=...)``), with metapatch active.
+a real ``from_pretrained(device_map=..., offload_folder=...)``), with metapatch active. The in-memory model is
+loaded with ``from_pretrained`` or built under ``init_empty_weights()``, ``to_empty()`` and ``load_state_dict``.
 
 After every step: where the in-memory model succeeds, the offloaded one gives equal logits (``torch.equal``:
 the same float operations on the same CPU), equal greedy tokens, an equal saved adapter, or raises
@@ -10,7 +11,8 @@ goes to folders the flow names: offload folders and adapter folders under its ow
 
 Steps: get_peft_model / add_adapter with a random tuner (LoRA with every ``init_lora_weights`` in ``INITS``,
 DoRA, IA3, LoHa) over random target modules, modules_to_save; set/delete/merge adapters; resize the
-embeddings; one training step; save the adapter and reload it over a fresh base through
+embeddings; one optimizer step (SGD or AdamW, with or without gradient accumulation; full fine-tuning where
+there is no adapter: refused where a trainable parameter is offloaded); save the adapter and reload it over a fresh base through
 ``PeftModel.from_pretrained`` or transformers' ``load_adapter``; generate.
 
 The CI run is ``tests/test_flows.py`` (derandomized, a few examples). The long run, a command::
@@ -132,13 +134,36 @@ def _run(fn: Any, *args: Any) -> _Twin:
         return _Twin(error=exc)
 
 
+def _built_empty(checkpoint: Path) -> Any:
+    """The checkpoint's model built under ``init_empty_weights()``, ``to_empty()`` on the CPU, then
+    ``load_state_dict`` of its file (a tied head is tied again, as ``from_pretrained`` ties it)."""
+    from accelerate import init_empty_weights
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    with init_empty_weights():
+        model = LlamaForCausalLM(AutoConfig.from_pretrained(checkpoint))
+    model.to_empty(device="cpu")
+    state = load_file(str(checkpoint / "model.safetensors"))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    if missing:
+        model.tie_weights()
+    return model
+
+
 def make_machine(inits: tuple = INITS):
     class FlowMachine(RuleBasedStateMachine):
         """Two models (``ref`` in memory, ``off`` offloaded) driven by the same steps."""
 
         @initialize(tied=st.booleans(), placement=st.lists(st.sampled_from(["cpu", "disk"]), min_size=len(MODULES),
-                                                           max_size=len(MODULES)))
-        def load(self, tied: bool, placement: List[str]) -> None:
+                                                           max_size=len(MODULES)),
+                    via=st.sampled_from(["from_pretrained", "to_empty"]))
+        def load(self, tied: bool, placement: List[str], via: str = "from_pretrained") -> None:
+            """The offloaded model through ``from_pretrained(device_map=...)``; the in-memory one the same way, or
+            (``via="to_empty"``) built under accelerate's ``init_empty_weights()``, materialised with
+            ``to_empty()`` and loaded with torch's ``load_state_dict``: its non-persistent buffers (the rotary
+            table) are in no checkpoint and must keep the values they were built with."""
             from transformers import LlamaForCausalLM
 
             self.started, self.counts = time.monotonic(), dict(STATS)  # for this sequence's own share
@@ -152,8 +177,9 @@ def make_machine(inits: tuple = INITS):
             self.hashes = _digests(self.checkpoint)
             self.device_map = {"model.rotary_emb": "cpu", **dict(zip(MODULES, placement))}
             self.loads = 0
-            note(f"tied={tied} device_map={self.device_map}")
-            self.ref = LlamaForCausalLM.from_pretrained(self.checkpoint).eval()
+            note(f"tied={tied} device_map={self.device_map} in-memory model via {via}")
+            self.ref = (LlamaForCausalLM.from_pretrained(self.checkpoint) if via == "from_pretrained"
+                        else _built_empty(self.checkpoint)).eval()
             self.off = self._load_offloaded()
             self.peft = False  # PeftModel (True) or a transformers model (False)
             self.adapters: List[str] = []
@@ -278,26 +304,34 @@ def make_machine(inits: tuple = INITS):
                           lambda m: m.resize_token_embeddings(size, mean_resizing=mean_resizing)) is not None:
                 self.vocab = size
 
-        @precondition(lambda self: not self.done and self.adapters)
-        @rule()
-        def train_step(self) -> None:
+        @precondition(lambda self: not self.done)
+        @rule(optimizer=st.sampled_from(["sgd", "adamw"]), accumulate=st.sampled_from([1, 2]))
+        def train_step(self, optimizer: str, accumulate: int) -> None:
+            """An optimizer step (after ``accumulate`` backward passes) over every trainable parameter: the adapters,
+            or the whole model where it has none (full fine-tuning). Where a trainable parameter is offloaded the
+            offloaded side must refuse (MetapatchError ends the flow): its gradient would be dropped with the copy
+            the hook onloaded for the forward."""
             import torch
 
             def step(model: Any) -> Dict[str, Any]:
+                params = [p for p in model.parameters() if p.requires_grad]
+                make = torch.optim.SGD if optimizer == "sgd" else torch.optim.AdamW
+                opt = make(params, lr=0.1 if optimizer == "sgd" else 1e-2)
                 model.train()
                 ids = self._ids()
-                loss = model(input_ids=ids, labels=ids).loss
-                loss.backward()
-                with torch.no_grad():
-                    for param in model.parameters():
-                        if param.requires_grad and param.grad is not None:
-                            param -= 0.1 * param.grad
-                            param.grad = None
+                losses = []
+                for _ in range(accumulate):
+                    loss = model(input_ids=ids, labels=ids).loss / accumulate
+                    loss.backward()
+                    losses.append(loss.detach())
+                loss = sum(losses)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
                 model.eval()
                 return {"loss": loss.detach(),
                         "trained": {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}}
 
-            pair = self._both("train step", step)
+            pair = self._both(f"train step ({optimizer}, {accumulate} backward)", step)
             if pair is not None:
                 ref, off = pair
                 assert torch.equal(ref["loss"], off["loss"]), f"loss {ref['loss']} vs {off['loss']}"

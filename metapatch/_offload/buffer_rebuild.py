@@ -55,6 +55,26 @@ def unset(pending: List[Pending]) -> List[Pending]:
     return [p for p in pending if p[1]._buffers.get(p[2]) is p[3] and (p[3].is_meta or p[3]._version == p[4])]
 
 
+def real_values(model: Any) -> List[Tuple[Any, str, Any]]:
+    """(owner, local name, tensor) of every non-persistent buffer that holds a real value (not on meta):
+    what :func:`restore` gives back after an operation that empties tensors (``to_empty``)."""
+    # every holder (not each tensor once, as non_persistent): an operation gives each module its own new tensor
+    return [(module, name, module._buffers[name]) for module in model.modules()
+            for name in module._non_persistent_buffers_set
+            if module._buffers.get(name) is not None and not module._buffers[name].is_meta]
+
+
+def restore(held: List[Tuple[Any, str, Any]]) -> None:
+    """Copy each held value into the tensor its module holds now, where an operation replaced it."""
+    import torch
+
+    with torch.no_grad():
+        for owner, name, value in held:
+            now = owner._buffers.get(name)
+            if now is not None and now is not value and not now.is_meta and now.shape == value.shape:
+                now.copy_(value)
+
+
 @contextlib.contextmanager
 def capture_constructors() -> Iterator[None]:
     """Record each module's constructor arguments while active. ``nn.Module.__init__`` (which every

@@ -187,3 +187,30 @@ def storage(hook: Any) -> str:
             break
     index = getattr(inner, "index", None) or {}
     return DISK if any(k.startswith(prefix) for k in index) else CPU
+
+
+def _prefix(weights_map: Any) -> str:
+    """The key prefix a weights map adds in front of its module's tensor names (``PrefixedDataset``)."""
+    prefix = ""
+    for _ in range(32):
+        if _is_overlay(weights_map):
+            weights_map = weights_map.previous
+        elif hasattr(weights_map, "prefix") and hasattr(weights_map, "dataset"):
+            prefix, weights_map = prefix + weights_map.prefix, weights_map.dataset
+        else:
+            break
+    return prefix
+
+
+def served_placeholders(module: Any) -> List[Any]:
+    """``(name, parameter)`` for each parameter of ``module`` that is a meta placeholder its offload hook serves
+    from a weights map (with ``place_submodules``, those of its submodules too); ``name`` is the key the weights
+    map stores it under (the checkpoint name where accelerate's ``PrefixedDataset`` gives one)."""
+    hook = offload_hook(module)
+    if hook is None:
+        return []
+    weights_map = weights_map_of(hook)
+    prefix = _prefix(weights_map)
+    recurse = bool(getattr(hook, "place_submodules", False))
+    return [(prefix + name, param) for name, param in module.named_parameters(recurse=recurse)
+            if param.is_meta and holds(weights_map, name)]

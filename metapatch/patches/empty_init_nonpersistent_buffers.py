@@ -73,10 +73,12 @@ def _to_empty(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         # recompute is left to the caller, as torch leaves it.
         if not _meta_non_persistent(instance):
             return wrapped(*args, **kwargs)
-        from metapatch._offload.buffer_rebuild import record, refill
+        from metapatch._offload.buffer_rebuild import real_values, record, refill, restore
 
         pending = record(instance, only_meta=True)
+        held = real_values(instance)
         result = wrapped(*args, **kwargs)
+        restore(held)
         emptied = [(q, owner, name, owner._buffers[name], owner._buffers[name]._version)
                    for q, owner, name, _, _ in pending if owner._buffers.get(name) is not None]
         try:
@@ -84,10 +86,19 @@ def _to_empty(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         except MetapatchError:
             pass
         return result
-    from metapatch._offload.buffer_rebuild import record, refill, unset
+    from metapatch._offload.buffer_rebuild import real_values, record, refill, restore, unset
 
+    # A buffer that held a real value (init_empty_weights() keeps buffers real by default) keeps that value,
+    # which may differ from its constructor's (a temperature or a scale set after construction); only those
+    # that were on meta have no value but their constructor's.
+    was_meta = {id(p[3]) for p in record(instance, only_meta=True)}
+    pending = [p for p in record(instance) if id(p[3]) in was_meta]
+    held = real_values(instance)
     result = wrapped(*args, **kwargs)
-    emptied = [p for p in record(instance) if not p[3].is_meta]
+    restore(held)
+    emptied = [(q, owner, name, owner._buffers[name], owner._buffers[name]._version)
+               for q, owner, name, _, _ in pending
+               if owner._buffers.get(name) is not None and not owner._buffers[name].is_meta]
     if emptied:
         # Refilled now, not at a later load_checkpoint_in_model: no checkpoint holds them, and the model may
         # be loaded with torch's own load_state_dict (the meta-init + to_empty flow of FSDP2 and torchtitan),

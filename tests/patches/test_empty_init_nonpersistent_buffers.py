@@ -113,13 +113,53 @@ def test_to_empty_after_include_buffers_false_is_refilled(tmp_path):
     assert torch.equal(empty.table.inv_freq, reference.table.inv_freq)
 
 
+def test_to_empty_keeps_a_real_buffer_set_after_construction():
+    """init_empty_weights() keeps buffers real: a non-persistent buffer given its value after construction (a
+    scaled rotary table, a temperature) keeps that value through to_empty(), not its constructor's (what an
+    in-memory model built the same way and moved with .to() holds). Upstream leaves to_empty memory."""
+    from accelerate import init_empty_weights
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=64)
+    with init_empty_weights():
+        model = LlamaForCausalLM(config)
+    rotary = model.model.rotary_emb
+    assert not rotary.inv_freq.is_meta and "inv_freq" in rotary._non_persistent_buffers_set
+    with torch.no_grad():
+        rotary.inv_freq.mul_(1.5)  # e.g. a context-extension scale applied by hand
+    want = rotary.inv_freq.clone()
+    constructed = LlamaForCausalLM(config).model.rotary_emb.inv_freq
+    assert not torch.equal(want, constructed)  # the two answers differ: the test can tell them apart
+    with nan_sentinel():
+        model.to_empty(device="cpu")
+    assert torch.equal(model.model.rotary_emb.inv_freq, want)
+
+
+def test_to_empty_keeps_real_buffers_and_rebuilds_only_the_meta_ones():
+    """A plain module built with include_buffers=True whose one table was then set to a real value: that table
+    keeps its value, the other (still on meta) gets its constructor's."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=True):
+        model = _Plain(16, base=50.0)
+        model.other = _Table(16, base=30.0)
+    set_value = torch.linspace(0.0, 1.0, 8)
+    model.table.inv_freq = set_value.clone()  # real, set after construction (a buffer assignment)
+    assert model.other.inv_freq.is_meta
+    with nan_sentinel():
+        model.to_empty(device="cpu")
+    assert torch.equal(model.table.inv_freq, set_value)
+    assert torch.equal(model.other.inv_freq, _Table(16, base=30.0).inv_freq)
+
+
 def test_to_empty_keeps_what_it_cannot_recompute_for_the_load_to_refuse(tmp_path):
     """A buffer whose constructor cannot be run again: to_empty() does not raise (the user may set it), and
     load_checkpoint_in_model refuses it by name, as before."""
     from accelerate import init_empty_weights, load_checkpoint_in_model
 
     _save_plain(tmp_path)
-    with init_empty_weights():
+    with init_empty_weights(include_buffers=True):  # on meta: no value to keep, only a constructor to run again
         empty = _Plain(16, base=50.0)
     buffer_rebuild.CONSTRUCTED.pop(empty.table, None)  # as if its constructor had not been recorded
     empty.__dict__.pop("config", None)

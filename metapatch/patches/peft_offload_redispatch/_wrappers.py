@@ -162,7 +162,17 @@ def _may_be_offloaded(model: Any) -> bool:
     device_map = state.get("hf_device_map")
     if isinstance(device_map, dict):
         return offload_store.map_offloads(device_map)
-    return hook_state.hooked(model)
+    if hook_state.hooked(model):
+        return True
+    # PeftMixedModel.add_adapter/load_adapter/set_adapter pass the mixed wrapper itself, whose __dict__ holds
+    # neither the base's map nor its hook (its attribute look-ups forward them): ask the base inside it.
+    base = _base_of_wrapper(model) if isinstance(state.get("_modules"), dict) else None
+    if base is None or base is model:
+        return False
+    base_map = getattr(base, "__dict__", {}).get("hf_device_map")
+    if isinstance(base_map, dict):
+        return offload_store.map_offloads(base_map)
+    return hook_state.hooked(base)
 
 
 # LoRA's initialisations that draw or zero the adapter without looking at the base weight; every
