@@ -45,19 +45,27 @@ def hook_tensors(module: Any, hook: Any) -> List[Tuple[str, Any]]:
 
 class Overlay(Mapping):
     """A hook's weights map once an operation wrote into its module (or a resize replaced its tensors,
-    offloaded-resize-token-embeddings): the kept tensors (CPU memory) in front of the previous map,
-    which still serves everything else and is only ever read."""
+    offloaded-resize-token-embeddings, or a dtype conversion converted them, offloaded-dtype-conversion):
+    the kept tensors (CPU memory) in front of the previous map, which still serves everything else and is
+    only ever read. ``conversions``: for a key served from the previous map, the dtypes the model was
+    converted to since, in order; each read converts the stored value through all of them, as the
+    in-memory tensor went (``bf16`` then ``fp32`` keeps the bf16 rounding), one tensor at a time: a
+    disk-offloaded model is never loaded as a whole."""
 
     def __init__(self, previous: Any, kept: Optional[Dict[str, Any]] = None) -> None:
         self.kept: Dict[str, Any] = dict(kept or {})
         self.previous = previous
+        self.conversions: Dict[str, Tuple[Any, ...]] = {}
 
     def __getitem__(self, key: str) -> Any:
         if key in self.kept:
             return self.kept[key]
         if self.previous is None:
             raise KeyError(key)
-        return self.previous[key]
+        value = self.previous[key]
+        for dtype in self.conversions.get(key, ()):
+            value = value.to(dtype)
+        return value
 
     def __contains__(self, key: object) -> bool:
         return key in self.kept or (self.previous is not None and key in self.previous)
@@ -93,11 +101,50 @@ def mark_tied(model: Any) -> None:
 
 def keep(hook: Any, name: str, tensor: Any) -> None:
     """``hook`` serves ``tensor`` (copied to CPU memory) for ``name`` from now on."""
+    overlay_of(hook).kept[name] = tensor.detach().to("cpu", copy=True)
+
+
+def overlay_of(hook: Any) -> Overlay:
+    """The :class:`Overlay` ``hook`` serves from (put in front of its weights map on first use)."""
     overlay = weights_map_of(hook)
     if not isinstance(overlay, Overlay):
         overlay = Overlay(overlay)
         serve_from(hook, overlay)
-    overlay.kept[name] = tensor.detach().to("cpu", copy=True)
+    return overlay
+
+
+def convert(hook: Any, name: str, dtype: Any) -> None:
+    """The model converted the offloaded tensor ``name`` of ``hook`` to ``dtype`` (its placeholder shows
+    it): from now on ``hook`` serves the value the in-memory tensor would have. A kept tensor (in CPU
+    memory already) is converted now; a stored one at each read (:class:`Overlay`)."""
+    overlay = overlay_of(hook)
+    if name in overlay.kept:
+        overlay.kept[name] = overlay.kept[name].to(dtype)
+    else:
+        overlay.conversions[name] = (*overlay.conversions.get(name, ()), dtype)
+
+
+@contextlib.contextmanager
+def conversion(model: Any) -> Iterator[None]:
+    """A dtype conversion of ``model`` (``model.to(dtype)``, ``.half()``, ...): every offloaded tensor under
+    it whose placeholder the block converts is served converted from then on (:func:`convert`). Upstream,
+    torch converts only the ``meta`` placeholders, and the hook casts the stored value straight to the
+    placeholder's dtype at each load: a chain (``bf16`` then ``fp32``) skips the lossy step, and
+    ``save_pretrained`` (which reads the weights map) writes the stored dtype."""
+    from metapatch._offload.module_walk import modules
+
+    before = []
+    for module in modules(model):
+        hook = offload_hook(module)
+        if hook is not None:
+            dtypes = {name: tensor.dtype for name, tensor in hook_tensors(module, hook) if tensor.is_meta}
+            if dtypes:
+                before.append((module, hook, dtypes))
+    yield
+    for module, hook, dtypes in before:
+        for name, tensor in hook_tensors(module, hook):
+            if name in dtypes and tensor.is_meta and tensor.dtype != dtypes[name]:
+                convert(hook, name, tensor.dtype)
 
 
 def plain_tensor(tensor: Any) -> bool:

@@ -21,6 +21,7 @@ from typing import Any
 
 from metapatch._framework.calls import signature_of
 from metapatch._offload.hook_state import offload_hooks
+from metapatch._offload.store import conversion
 from metapatch._framework.records import Patch, Target, Upstream
 
 PATCH_ID = "offloaded-dtype-conversion"
@@ -65,11 +66,31 @@ def conversion_to(model: Any, guard: Any) -> Any:
             convert["dtype"] = dtype
         if memory_format is not None:
             convert["memory_format"] = memory_format
-        return original(**convert) if convert else model
+        if not convert:
+            return model
+        with conversion(model):
+            return original(**convert)
 
     to.__wrapped__ = guard
     setattr(to, _MARK, True)
     return to
+
+
+def converting(model: Any, method: str) -> Any:
+    """``model.<method>`` (``half``, ``float``, ...: accelerate does not guard them), converting the
+    offloaded tensors' stored values too."""
+    original = getattr(type(model), method).__get__(model)
+
+    def convert(*args: Any, **kwargs: Any) -> Any:
+        with conversion(model):
+            return original(*args, **kwargs)
+
+    convert.__wrapped__ = original
+    setattr(convert, _MARK, True)
+    return convert
+
+
+_CONVERSIONS = ("half", "float", "bfloat16", "double")
 
 
 def install_on(model: Any) -> None:
@@ -77,6 +98,9 @@ def install_on(model: Any) -> None:
     if guard is None or getattr(guard, _MARK, False) or getattr(guard, "__wrapped__", None) is None:
         return  # not dispatched with offload (accelerate added no guard), or already done
     model.__dict__["to"] = conversion_to(model, guard)
+    for method in _CONVERSIONS:
+        if method not in model.__dict__ and callable(getattr(type(model), method, None)):
+            model.__dict__[method] = converting(model, method)
 
 
 def _accelerate_dispatch(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
