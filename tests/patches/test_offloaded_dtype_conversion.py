@@ -23,11 +23,6 @@ class TestThreeWay(ThreeWayCase):
     patch_ids = (PATCH.id,)
     names = {PATCH.id: {"to-dtype-layers-on-disk", "to-own-device-and-dtype-layers-on-disk", *_STORED}}
 
-    def diff_skip(self, scenario):
-        if scenario.name in _STORED:  # the diff lets conversions through accelerate's guard only
-            return "the upstream diff does not convert the stored values (metapatch's offload store does)"
-        return super().diff_skip(scenario)
-
 
 torch = pytest.importorskip("torch")
 
