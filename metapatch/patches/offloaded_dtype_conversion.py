@@ -84,6 +84,7 @@ def conversion_to(model: Any, guard: Any) -> Any:
 
     to.__wrapped__ = guard
     setattr(to, _MARK, True)
+    to._accelerate_added_attribute = True  # removed with the hooks (remove_hook_from_module), as the guard is
     return to
 
 
@@ -98,6 +99,7 @@ def converting(model: Any, method: str) -> Any:
 
     convert.__wrapped__ = original
     setattr(convert, _MARK, True)
+    convert._accelerate_added_attribute = True
     return convert
 
 

@@ -113,3 +113,19 @@ def test_nothing_offloaded_converts_as_upstream(tmp_path):
     reference.to(torch.bfloat16).half().float()
     with torch.no_grad():
         assert torch.equal(model(input_ids()).logits, reference(input_ids()).logits)
+
+
+@pytest.mark.skipif(not AFFECTED, reason=f"not affected here: {WHY}")
+def test_removing_the_hooks_removes_the_conversion_methods_on_accelerate_that_tracks_them(tmp_path):
+    from accelerate.hooks import remove_hook_from_module
+
+    model = _dispatched(tmp_path, offload=True)
+    assert {"to", "half", "float", "bfloat16", "double"} <= set(model.__dict__)
+    remove_hook_from_module(model, recurse=True)
+    left = {name for name in ("to", "half", "float", "bfloat16", "double") if name in model.__dict__}
+    import accelerate.hooks as hooks
+
+    if hasattr(hooks, "_accelerate_added_attributes"):  # older releases remove a fixed list of names
+        assert "to" not in left
+    else:
+        assert not left
