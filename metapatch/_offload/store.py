@@ -20,6 +20,11 @@ placeholders without onloading it (transformers' loader materialises them on ``c
 :meth:`Operation.watch_loads` onloads an offloaded module just before ``load_state_dict`` copies into it
 (a copy into a ``meta`` placeholder is a no-op).
 
+The same rule (:func:`snapshot`, :func:`keep_changes`) keeps writes into tensors held loaded for a read
+outside their module's forward (:func:`metapatch._offload.offloaded_weights.materialised`), and
+:func:`conversion` makes a dtype conversion of the model reach the stored values: the :class:`Overlay`
+serves each converted key through the dtypes the in-memory tensor went through.
+
 Which hook offloads a module is read by :mod:`metapatch._offload.hook_state`, for everyone. Nothing here
 imports accelerate before a hook exists: a process that never imported ``accelerate.hooks`` has none.
 """
