@@ -137,6 +137,8 @@ def _find(weights_map: Any, key: str) -> Any:
         if _is_overlay(weights_map):  # what an operation wrote, in front of the old map
             if key in weights_map.kept:
                 return Located(CPU, weights_map.kept, key, None)
+            if key in getattr(weights_map, "conversions", ()):
+                return _OPAQUE  # served converted: what the store below holds is not what is served
             weights_map = weights_map.previous
         elif hasattr(weights_map, "prefix") and hasattr(weights_map, "dataset"):  # PrefixedDataset
             weights_map, key = weights_map.dataset, weights_map.prefix + key

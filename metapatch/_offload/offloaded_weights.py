@@ -8,8 +8,9 @@ that forward sees the meta placeholder. Running the hook's ``pre_forward`` befor
 ``post_forward`` after it gives such reads the real weight; ``offload`` is switched off meanwhile so that
 the module's own forward, called during the same call, does not put the weight back on meta half-way.
 A nested use finds ``offload`` already off and does nothing, so wrappers may nest. A write into a held
-tensor is refused when the block ends (``OffloadedWriteError``): putting the weights back on meta would
-drop it, so the offloaded model would silently differ from the in-memory one.
+tensor (in place, through ``.data``, under ``torch.inference_mode``, or a replacement) is kept by the
+offload store when the block ends, as the in-memory model keeps it: putting the weights back on meta
+would drop it. One the store cannot keep (a tied weight) raises ``OffloadedWriteError``.
 
 Nothing here imports accelerate: a process that never imported ``accelerate.hooks`` has no hooks.
 """
@@ -27,73 +28,37 @@ class OffloadedWriteError(MetapatchError, RuntimeError):
     """A forward wrote a tensor that metapatch held loaded for it; offloading it again would lose the write."""
 
 
-# The owner's path and module, the local name, the tensor, its storage pointer and version.
-_Signature = Tuple[str, Any, str, Any, int, Optional[int]]
-
-
-def _signatures(module: Any, hook: Any) -> Dict[str, _Signature]:
-    """What ``hook`` will put back on meta, as loaded: its owning module and local name (so that the check
-    after the block looks each one up directly instead of walking the module again), the tensor, its
-    storage pointer and ``_version``. Inference tensors (loaded under ``torch.inference_mode``) keep no
-    version: only a replacement shows there. Quantized tensor classes are left to their library:
-    bitsandbytes repacks 4-bit weights on a first forward, and repacks the reloaded ones the same way on
-    the next, so nothing is lost there."""
-    from metapatch._offload.store import plain_tensor, hook_tensors
-
-    signatures = {}
-    for name, tensor in hook_tensors(module, hook):
-        if tensor.is_meta or not plain_tensor(tensor):
-            continue
-        path, _, local = name.rpartition(".")
-        signatures[name] = (path, module.get_submodule(path) if path else module, local, tensor, tensor.data_ptr(),
-                            None if tensor.is_inference() else tensor._version)
-    return signatures
-
-
-def _current(module: Any, path: str, owner: Any, local: str) -> Any:
-    try:
-        if path and module.get_submodule(path) is not owner:
-            return None  # the owning submodule itself was replaced
-    except AttributeError:
-        return None  # or removed
-    return owner._parameters[local] if local in owner._parameters else owner._buffers.get(local)
-
-
-def _written(module: Any, before: Dict[str, _Signature]) -> List[str]:
-    return [name for name, (path, owner, local, tensor, pointer, version) in before.items()
-            if _current(module, path, owner, local) is not tensor or tensor.data_ptr() != pointer
-            or (version is not None and tensor._version != version)]
-
-
 @contextlib.contextmanager
 def materialised(*modules: Any) -> Iterator[None]:
     """Within the block, the weights of every offloaded module in ``modules`` are on their execution device.
 
-    A tensor written meanwhile (in place, or replaced) raises :class:`OffloadedWriteError` once the block
-    ends: the hook serves its weights map again afterwards, so the write would be lost and the model would
-    silently differ from the in-memory one, where it persists. (A write through ``.data`` bumps no
-    version and is not seen; checking values would copy every held weight on every forward.)"""
-    held: List[Tuple[Any, Any, Dict[str, _Signature]]] = []
-    written: List[Tuple[Any, str]] = []
+    A tensor written meanwhile (in place, through ``.data``, under ``torch.inference_mode``, or replaced)
+    is kept by the offload store (:func:`metapatch._offload.store.keep_changes`: a CPU copy the hook serves
+    from then on), as the in-memory model keeps it; each held tensor's values are copied when it is
+    loaded, since ``.data`` and inference-mode writes bump no version. A write the store cannot keep (a
+    weight tied to another hook's) raises :class:`OffloadedWriteError` once the block ends. Quantized
+    tensor classes are left to their library: bitsandbytes repacks 4-bit weights on a first forward, and
+    repacks the reloaded ones the same way on the next, so nothing is lost there."""
+    from metapatch._offload.store import keep_changes, refuse, snapshot
+
+    held: List[Tuple[Any, Any, Dict[str, Any]]] = []
+    refused: List[Tuple[Any, str, Any]] = []
+    tied: List[Tuple[Any, str]] = []
     try:
         for module in modules:
             for hook in offload_hooks(module):
                 hook.pre_forward(module)  # load the weights onto the execution device
                 hook.offload = False      # so the module's own forward does not offload them mid-way
-                held.append((module, hook, _signatures(module, hook)))
+                held.append((module, hook, snapshot(module, hook, plain_only=True)))
         yield
-        written = [(module, name) for module, hook, before in held for name in _written(module, before)]
+        for module, hook, taken in held:
+            keep_changes(module, hook, taken, refused, tied, plain_only=True)
     finally:
         for module, hook, _ in reversed(held):
             hook.offload = True
             hook.post_forward(module, None)  # back to meta, as after the module's own forward
-    if written:
-        names = ", ".join(f"{type(module).__name__}.{name}" for module, name in written)
-        raise OffloadedWriteError(
-            f"metapatch: {names} (offloaded by accelerate) was written while metapatch held it loaded for a "
-            f"forward that reads it from outside its own module; accelerate serves the offloaded copy again "
-            f"afterwards, so the write would be silently lost and the model would differ from the in-memory one. "
-            f"Keep that module in memory (device_map), or load the model without offloading.")
+    refuse("a forward reading it from outside its own module (held loaded by metapatch)", refused, tied,
+           OffloadedWriteError)
 
 
 def _attribute(instance: Any, dotted: str) -> Any:

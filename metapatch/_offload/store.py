@@ -20,6 +20,11 @@ placeholders without onloading it (transformers' loader materialises them on ``c
 :meth:`Operation.watch_loads` onloads an offloaded module just before ``load_state_dict`` copies into it
 (a copy into a ``meta`` placeholder is a no-op).
 
+The same rule (:func:`snapshot`, :func:`keep_changes`) keeps writes into tensors held loaded for a read
+outside their module's forward (:func:`metapatch._offload.offloaded_weights.materialised`), and
+:func:`conversion` makes a dtype conversion of the model reach the stored values: the :class:`Overlay`
+serves each converted key through the dtypes the in-memory tensor went through.
+
 Which hook offloads a module is read by :mod:`metapatch._offload.hook_state`, for everyone. Nothing here
 imports accelerate before a hook exists: a process that never imported ``accelerate.hooks`` has none.
 """
@@ -45,19 +50,27 @@ def hook_tensors(module: Any, hook: Any) -> List[Tuple[str, Any]]:
 
 class Overlay(Mapping):
     """A hook's weights map once an operation wrote into its module (or a resize replaced its tensors,
-    offloaded-resize-token-embeddings): the kept tensors (CPU memory) in front of the previous map,
-    which still serves everything else and is only ever read."""
+    offloaded-resize-token-embeddings, or a dtype conversion converted them, offloaded-dtype-conversion):
+    the kept tensors (CPU memory) in front of the previous map, which still serves everything else and is
+    only ever read. ``conversions``: for a key served from the previous map, the dtypes the model was
+    converted to since, in order; each read converts the stored value through all of them, as the
+    in-memory tensor went (``bf16`` then ``fp32`` keeps the bf16 rounding), one tensor at a time: a
+    disk-offloaded model is never loaded as a whole."""
 
     def __init__(self, previous: Any, kept: Optional[Dict[str, Any]] = None) -> None:
         self.kept: Dict[str, Any] = dict(kept or {})
         self.previous = previous
+        self.conversions: Dict[str, Tuple[Any, ...]] = {}
 
     def __getitem__(self, key: str) -> Any:
         if key in self.kept:
             return self.kept[key]
         if self.previous is None:
             raise KeyError(key)
-        return self.previous[key]
+        value = self.previous[key]
+        for dtype in self.conversions.get(key, ()):
+            value = value.to(dtype)
+        return value
 
     def __contains__(self, key: object) -> bool:
         return key in self.kept or (self.previous is not None and key in self.previous)
@@ -93,11 +106,50 @@ def mark_tied(model: Any) -> None:
 
 def keep(hook: Any, name: str, tensor: Any) -> None:
     """``hook`` serves ``tensor`` (copied to CPU memory) for ``name`` from now on."""
+    overlay_of(hook).kept[name] = tensor.detach().to("cpu", copy=True)
+
+
+def overlay_of(hook: Any) -> Overlay:
+    """The :class:`Overlay` ``hook`` serves from (put in front of its weights map on first use)."""
     overlay = weights_map_of(hook)
     if not isinstance(overlay, Overlay):
         overlay = Overlay(overlay)
         serve_from(hook, overlay)
-    overlay.kept[name] = tensor.detach().to("cpu", copy=True)
+    return overlay
+
+
+def convert(hook: Any, name: str, dtype: Any) -> None:
+    """The model converted the offloaded tensor ``name`` of ``hook`` to ``dtype`` (its placeholder shows
+    it): from now on ``hook`` serves the value the in-memory tensor would have. A kept tensor (in CPU
+    memory already) is converted now; a stored one at each read (:class:`Overlay`)."""
+    overlay = overlay_of(hook)
+    if name in overlay.kept:
+        overlay.kept[name] = overlay.kept[name].to(dtype)
+    else:
+        overlay.conversions[name] = (*overlay.conversions.get(name, ()), dtype)
+
+
+@contextlib.contextmanager
+def conversion(model: Any) -> Iterator[None]:
+    """A dtype conversion of ``model`` (``model.to(dtype)``, ``.half()``, ...): every offloaded tensor under
+    it whose placeholder the block converts is served converted from then on (:func:`convert`). Upstream,
+    torch converts only the ``meta`` placeholders, and the hook casts the stored value straight to the
+    placeholder's dtype at each load: a chain (``bf16`` then ``fp32``) skips the lossy step, and
+    ``save_pretrained`` (which reads the weights map) writes the stored dtype."""
+    from metapatch._offload.module_walk import modules
+
+    before = []
+    for module in modules(model):
+        hook = offload_hook(module)
+        if hook is not None:
+            dtypes = {name: tensor.dtype for name, tensor in hook_tensors(module, hook) if tensor.is_meta}
+            if dtypes:
+                before.append((module, hook, dtypes))
+    yield
+    for module, hook, dtypes in before:
+        for name, tensor in hook_tensors(module, hook):
+            if name in dtypes and tensor.is_meta and tensor.dtype != dtypes[name]:
+                convert(hook, name, tensor.dtype)
 
 
 def plain_tensor(tensor: Any) -> bool:
@@ -106,10 +158,10 @@ def plain_tensor(tensor: Any) -> bool:
     return type(tensor) in (torch.nn.Parameter, torch.Tensor)
 
 
-def _changed(before: Tuple[Any, int, int, Any, Any, Optional[Any]], now: Any) -> bool:
+def _changed(before: Tuple[Any, int, Optional[int], Any, Any, Optional[Any]], now: Any) -> bool:
     """Whether ``now`` holds another value than the snapshot ``before``. With a copy the values decide
-    (a write through ``.data`` bumps no ``_version``; a tensor replaced by an equal one is no change);
-    without one (a stand-in, a quantized class), any sign of a write does."""
+    (a write through ``.data`` or under ``torch.inference_mode`` bumps no ``_version``; a tensor replaced
+    by an equal one is no change); without one (a stand-in, a quantized class), any sign of a write does."""
     import torch
 
     tensor, pointer, version, shape, dtype, copy = before
@@ -117,7 +169,49 @@ def _changed(before: Tuple[Any, int, int, Any, Any, Optional[Any]], now: Any) ->
         return True
     if copy is not None:
         return not torch.equal(now, copy)
-    return now is not tensor or now.data_ptr() != pointer or now._version != version
+    return now is not tensor or now.data_ptr() != pointer or (
+        version is not None and not now.is_inference() and now._version != version)
+
+
+def snapshot(module: Any, hook: Any, values: bool = True, plain_only: bool = False) -> Dict[str, Any]:
+    """What :func:`keep_changes` compares with at the end: each loaded tensor of ``hook``, its storage
+    pointer, ``_version`` (None for an inference tensor: it has none), shape, dtype and, with ``values``,
+    a copy of a plain tensor's values. ``plain_only``: other tensor classes are left out (bitsandbytes
+    repacks its 4-bit weights on a first forward, and the reloaded ones the same way on the next)."""
+    taken = {}
+    for name, tensor in hook_tensors(module, hook):
+        plain = plain_tensor(tensor)
+        if tensor.is_meta or (plain_only and not plain):
+            continue
+        copy = tensor.detach().clone() if values and plain else None
+        version = None if tensor.is_inference() else tensor._version
+        taken[name] = (tensor, tensor.data_ptr(), version, tensor.shape, tensor.dtype, copy)
+    return taken
+
+
+def keep_changes(module: Any, hook: Any, taken: Dict[str, Any], refused: List[Tuple[Any, str, Any]],
+                 tied: List[Tuple[Any, str]], plain_only: bool = False) -> None:
+    """The one rule for writes into an onloaded offloaded module, before it is offloaded again: every
+    tensor of ``hook`` that changed since ``taken`` (replaced, ``.data`` reassigned, written in place,
+    converted, reshaped) is kept for the hook to serve (:func:`keep`); one that cannot be kept goes into
+    ``refused`` (a tensor class the store cannot copy) or ``tied`` (a weight tied to another hook's),
+    for the caller to raise."""
+    for name, tensor in hook_tensors(module, hook):
+        if name in taken and not _changed(taken[name], tensor):
+            continue
+        if plain_only and name not in taken and not tensor.is_meta and not plain_tensor(tensor):
+            continue
+        if not plain_tensor(tensor):
+            refused.append((module, name, tensor))
+            continue
+        if tensor.is_meta:
+            continue  # put back on meta meanwhile: nothing was written that a read could see
+        if name in (getattr(hook, "tied_params_names", None) or ()) or name in module.__dict__.get(TIED_MARK, ()):
+            # accelerate serves each tied copy from its own hook: keeping the write here would
+            # leave the partner (a tied head, say) with the old value, silently.
+            tied.append((module, name))
+            continue
+        keep(hook, name, tensor)
 
 
 # -- holding an offloaded module's weights in memory (counted: an operation and a tuner layer's forward nest) --
@@ -172,6 +266,25 @@ def current() -> Optional["Operation"]:
     return _CURRENT.get()
 
 
+def refuse(what: str, refused: List[Tuple[Any, str, Any]], tied: List[Tuple[Any, str]],
+           error: Any = MetapatchError) -> None:
+    """Raise ``error`` for the first write :func:`keep_changes` could not keep (if any)."""
+    if tied:
+        module, name = tied[0]
+        raise error(
+            f"metapatch: {what} wrote {type(module).__name__}.{name}, a weight tied to another parameter "
+            f"(e.g. an input embedding tied to the output head) in a module accelerate offloads. metapatch "
+            f"cannot keep the tied copies in step, so the offloaded model would silently differ from the "
+            f"in-memory one. Load the model without offloading that module (device_map), or untie it first.")
+    if refused:
+        module, name, tensor = refused[0]
+        raise error(
+            f"metapatch: {what} wrote {type(module).__name__}.{name} (a {type(tensor).__name__}) of a "
+            f"module accelerate offloads, and a tensor of that class cannot be kept for the offload hook to "
+            f"serve; the offloaded model would silently keep the old value. Keep that module in memory "
+            f"(device_map) for this operation, or run it before dispatching the model.")
+
+
 class Operation:
     """One operation (what: its name, for messages) over offloaded modules. Use as a context manager:
     at its end every module it onloaded is checked, its writes kept, and it is offloaded again."""
@@ -203,11 +316,7 @@ class Operation:
         if hook is None or held(hook) or self.holds(module):
             return False
         hold(module, hook)
-        snapshot = {}
-        for name, tensor in hook_tensors(module, hook):
-            copy = tensor.detach().clone() if values and plain_tensor(tensor) else None
-            snapshot[name] = (tensor, tensor.data_ptr(), tensor._version, tensor.shape, tensor.dtype, copy)
-        self.held.append((module, hook, snapshot))
+        self.held.append((module, hook, snapshot(module, hook, values)))
         return True
 
     def finish(self, kept: bool = True) -> None:
@@ -215,37 +324,12 @@ class Operation:
         module goes back as it was) and offload it again."""
         onloaded, self.held = self.held, []
         refused, tied = [], []
-        for module, hook, snapshot in reversed(onloaded):
+        for module, hook, taken in reversed(onloaded):
             if kept:
-                current = dict(hook_tensors(module, hook))
-                for name, tensor in current.items():
-                    if name in snapshot and not _changed(snapshot[name], tensor):
-                        continue
-                    if not plain_tensor(tensor):
-                        refused.append((module, name, tensor))
-                        continue
-                    if name in (getattr(hook, "tied_params_names", None) or ()) \
-                            or name in module.__dict__.get(TIED_MARK, ()):
-                        # accelerate serves each tied copy from its own hook: keeping the write here would
-                        # leave the partner (a tied head, say) with the old value, silently.
-                        tied.append((module, name))
-                        continue
-                    keep(hook, name, tensor)
+                keep_changes(module, hook, taken, refused, tied)
             release(module, hook)
-        if tied:
-            module, name = tied[0]
-            raise MetapatchError(
-                f"metapatch: {self.what} wrote {type(module).__name__}.{name}, a weight tied to another parameter "
-                f"(e.g. an input embedding tied to the output head) in a module accelerate offloads. metapatch "
-                f"cannot keep the tied copies in step, so the offloaded model would silently differ from the "
-                f"in-memory one. Load the model without offloading that module (device_map), or untie it first.")
-        if refused:
-            module, name, tensor = refused[0]
-            raise MetapatchError(
-                f"metapatch: {self.what} wrote {type(module).__name__}.{name} (a {type(tensor).__name__}) of a "
-                f"module accelerate offloads, and a tensor of that class cannot be kept for the offload hook to "
-                f"serve; the offloaded model would silently keep the old value. Keep that module in memory "
-                f"(device_map) for this operation, or run it before dispatching the model.")
+        refuse(self.what, refused, tied)
+
 
     def adopt_materialised(self, model: Any) -> int:
         """Tensors an operation put into an offloaded module's ``meta`` placeholders without onloading it

@@ -5,13 +5,24 @@ upstream they raise accelerate's ``RuntimeError: You can't move a model that has
 to cpu or disk.`` although nothing would move.
 
 ``dispatch_model`` replaces the dispatched model's ``to`` by a guard that refuses any call while a
-parameter is on meta. The conversion itself works on an offloaded model: torch converts the meta
-placeholders, and accelerate's hooks cast each offloaded weight to its placeholder's dtype when they
-load it (``set_module_tensor_to_device``), so the outputs equal those of the in-memory model converted
-first. After transformers' dispatch (``accelerate_dispatch``), this patch puts a ``to`` in front of
-accelerate's guard that lets through calls that move nothing (no device, or the device every tensor and
-every offload hook already uses) as a pure dtype / memory-format conversion, and hands every real device
-move to accelerate's guard, which refuses it as before.
+parameter is on meta. Past the guard (and for ``model.half()``, ``.float()``, ``.bfloat16()``,
+``.double()``, which it does not see), torch converts only the meta placeholders; accelerate's hooks cast
+each stored weight straight to its placeholder's dtype when they load it (``set_module_tensor_to_device``).
+A single down-cast comes out right that way, but a chain does not: ``.to(torch.bfloat16).to(torch.float32)``
+serves the stored fp32 value, skipping the bf16 rounding the in-memory model keeps, and ``save_pretrained``
+(which reads offloaded tensors from the hooks' weights maps) writes them in the stored dtype after
+``.half()``.
+
+After transformers' dispatch (``accelerate_dispatch``), this patch puts a ``to`` in front of accelerate's
+guard that lets through calls that move nothing (no device, or the device every tensor and every offload
+hook already uses) as a pure dtype / memory-format conversion, and hands every real device move to
+accelerate's guard, which refuses it as before; ``half``/``float``/``bfloat16``/``double`` get the same
+conversion bookkeeping. Each conversion records, in the offload store (:func:`metapatch._offload.store.
+conversion`), the dtype every offloaded tensor whose placeholder it converted was converted to; the hook's
+weights map (an ``Overlay``) then serves ``stored.to(d1).to(d2)...`` per read, one tensor at a time, so
+logits, ``save_pretrained`` and ``state_dict()`` dtypes equal the in-memory model's. Nothing is loaded as a
+whole and no file is written. A conversion called on a submodule below the module its hook sits on (a part
+of an offloaded block) is not seen: only placeholders under the converted module's own hooks are recorded.
 """
 
 from __future__ import annotations
@@ -21,6 +32,7 @@ from typing import Any
 
 from metapatch._framework.calls import signature_of
 from metapatch._offload.hook_state import offload_hooks
+from metapatch._offload.store import conversion
 from metapatch._framework.records import Patch, Target, Upstream
 
 PATCH_ID = "offloaded-dtype-conversion"
@@ -65,11 +77,33 @@ def conversion_to(model: Any, guard: Any) -> Any:
             convert["dtype"] = dtype
         if memory_format is not None:
             convert["memory_format"] = memory_format
-        return original(**convert) if convert else model
+        if not convert:
+            return model
+        with conversion(model):
+            return original(**convert)
 
     to.__wrapped__ = guard
     setattr(to, _MARK, True)
+    to._accelerate_added_attribute = True  # removed with the hooks (remove_hook_from_module), as the guard is
     return to
+
+
+def converting(model: Any, method: str) -> Any:
+    """``model.<method>`` (``half``, ``float``, ...: accelerate does not guard them), converting the
+    offloaded tensors' stored values too."""
+    original = getattr(type(model), method).__get__(model)
+
+    def convert(*args: Any, **kwargs: Any) -> Any:
+        with conversion(model):
+            return original(*args, **kwargs)
+
+    convert.__wrapped__ = original
+    setattr(convert, _MARK, True)
+    convert._accelerate_added_attribute = True
+    return convert
+
+
+_CONVERSIONS = ("half", "float", "bfloat16", "double")
 
 
 def install_on(model: Any) -> None:
@@ -77,6 +111,9 @@ def install_on(model: Any) -> None:
     if guard is None or getattr(guard, _MARK, False) or getattr(guard, "__wrapped__", None) is None:
         return  # not dispatched with offload (accelerate added no guard), or already done
     model.__dict__["to"] = conversion_to(model, guard)
+    for method in _CONVERSIONS:
+        if method not in model.__dict__ and callable(getattr(type(model), method, None)):
+            model.__dict__[method] = converting(model, method)
 
 
 def _accelerate_dispatch(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:

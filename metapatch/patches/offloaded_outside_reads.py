@@ -13,8 +13,10 @@ such reads, and only the modules that make them get a pre/post forward hook. A n
 class is served at the same point, before the reads are looked for: a module's own tensors that the map
 offloads under their own keys get an offload hook (accelerate hooks only the modules a map names:
 ZayaModel's top-level parameters). (A disk-mapped tensor missing from a given offload index, MarianMT's
-never-saved table, is accelerate-unindexed-disk-tensors'.) Nothing changes where nothing is offloaded (the
-call goes straight through).
+never-saved table, is accelerate-unindexed-disk-tensors'.) A write into a tensor held for such a read (in place, through
+``.data``, under ``torch.inference_mode``, or a replacement) is kept by the offload store as the in-memory
+model keeps it (metapatch._offload.offloaded_weights.materialised); a tied one is refused. Nothing changes
+where nothing is offloaded (the call goes straight through).
 """
 
 from __future__ import annotations

@@ -237,6 +237,71 @@ def own_tensor_mapped_alone(workdir: Path) -> Dict[str, Any]:
     return {"max_abs_diff": 0.0}
 
 
+def writer_classes() -> Any:
+    """(config class, model class) of a model whose forward reads a child's weight and writes it through
+    ``.data`` (an in-place update that bumps no ``_version``: a running scale, an EMA codebook)."""
+    import torch
+    from transformers import PretrainedConfig, PreTrainedModel
+    from transformers.modeling_outputs import CausalLMOutput
+
+    class WriterConfig(PretrainedConfig):
+        model_type = "metapatch-writer"
+
+        def __init__(self, vocab_size: int = _VOCAB, hidden_size: int = 16, **kwargs: Any):
+            self.vocab_size, self.hidden_size = vocab_size, hidden_size
+            super().__init__(**kwargs)
+
+    class Scales(torch.nn.Module):
+        def __init__(self, config: Any) -> None:
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.rand(config.hidden_size) + 0.5)
+
+    class WriterModel(PreTrainedModel):
+        config_class = WriterConfig
+        base_model_prefix = "writer"
+        _no_split_modules: list = []
+
+        def __init__(self, config: Any) -> None:
+            super().__init__(config)
+            self.embed = torch.nn.Embedding(config.vocab_size, config.hidden_size)
+            self.scales = Scales(config)
+            self.head = torch.nn.Linear(config.hidden_size, config.vocab_size)
+            self.post_init()
+
+        def _init_weights(self, module: Any) -> None:
+            pass  # the constructors' random values are the weights
+
+        def forward(self, input_ids: Any = None, **kwargs: Any) -> Any:
+            logits = self.head(self.embed(input_ids) * self.scales.scale)
+            self.scales.scale.data.mul_(0.5)  # persists in memory: the next call computes with it
+            return CausalLMOutput(logits=logits)
+
+    return WriterConfig, WriterModel
+
+
+def held_write_through_data(workdir: Path) -> Dict[str, Any]:
+    """WriterModel with its scales on disk, three calls under torch.inference_mode: each equals the in-memory
+    model's (the write through ``.data`` into the held weight is kept by the offload store, not dropped)."""
+    import torch
+
+    reference, loaded = _reference_and_offloaded(writer_classes(), workdir, {"embed": "cpu", "scales": "disk",
+                                                                              "head": "cpu"})
+    if not loaded.scales.scale.is_meta:
+        raise AssertionError("the device map was meant to put scales on disk")
+    ids = device_input_ids(vocab_size=_VOCAB, length=8)
+    worst = 0.0
+    with torch.inference_mode():
+        for call in range(3):
+            got, expected = loaded(input_ids=ids).logits, reference(input_ids=ids).logits
+            if not _equal(got, expected):
+                worst = max(worst, max_abs_diff(got, expected))
+    if worst:
+        raise AssertionError(f"logits differ after the held weight was written: max abs diff {worst}")
+    if not loaded.scales.scale.is_meta:
+        raise AssertionError("the offloaded weight stayed loaded after the forward")
+    return {"max_abs_diff": 0.0}
+
+
 SCENARIOS = [
     Scenario(PATCH_ID, "prophetnet-decoder-embeddings-on-disk", f"{__name__}:prophetnet_decoder_on_disk",
              "ProphetNetForCausalLM with its decoder's position/ngram embeddings and layer norm on disk: its decoder reads "
@@ -255,4 +320,9 @@ SCENARIOS = [
              "experts.mix() from its forward, with those modules on disk: logits and greedy generate() equal the "
              "in-memory model (unpatched: NotImplementedError 'Cannot copy out of meta tensor')",
              expected_error="NotImplementedError", expected_message="Cannot copy out of meta tensor"),
+    Scenario(PATCH_ID, "held-write-through-data-on-disk", f"{__name__}:held_write_through_data",
+             "a model whose forward reads a child's weight on disk and writes it through .data under "
+             "torch.inference_mode: three calls equal the in-memory model's (the write is kept by the offload "
+             "store; before, it was dropped at the next offload; unpatched: the read meets the meta placeholder)",
+             expected_error="RuntimeError|NotImplementedError"),
 ]

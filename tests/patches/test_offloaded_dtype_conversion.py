@@ -16,9 +16,12 @@ from _three_way import ThreeWayCase  # tests/patches/_three_way.py
 AFFECTED, WHY, _, _ = metapatch.registry.gate(PATCH)
 
 
+_STORED = {"to-bf16-then-fp32-layers-on-disk", "half-then-float-layers-on-disk", "half-then-save-layers-on-disk"}
+
+
 class TestThreeWay(ThreeWayCase):
     patch_ids = (PATCH.id,)
-    names = {PATCH.id: {"to-dtype-layers-on-disk", "to-own-device-and-dtype-layers-on-disk"}}
+    names = {PATCH.id: {"to-dtype-layers-on-disk", "to-own-device-and-dtype-layers-on-disk", *_STORED}}
 
 
 torch = pytest.importorskip("torch")
@@ -57,3 +60,72 @@ def test_nothing_installed_without_offload(tmp_path):
     model = _dispatched(tmp_path, offload=False)
     assert not getattr(model.__dict__.get("to"), "_metapatch_conversion_to", False)
     assert model.to(torch.bfloat16).dtype == torch.bfloat16
+
+
+def _pair(tmp_path, device_map):
+    from metapatch.selftest._models import save_tiny_llama
+    from transformers import AutoModelForCausalLM
+
+    checkpoint = save_tiny_llama(tmp_path / "ckpt", num_hidden_layers=2)
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, device_map=device_map,
+                                                 offload_folder=str(tmp_path / "offload")).eval()
+    return reference, model
+
+
+_CHAINS = {
+    "to-bf16-float": lambda m: m.to(torch.bfloat16).float(),
+    "bfloat16-to-fp32": lambda m: m.bfloat16().to(dtype=torch.float32),
+    "half-double-float": lambda m: m.half().double().float(),
+    "to-own-device-fp16-fp32": lambda m: m.to("cpu", torch.float16).to(torch.float32),
+}
+
+
+@pytest.mark.skipif(not AFFECTED, reason=f"not affected here: {WHY}")
+@pytest.mark.parametrize("chain", sorted(_CHAINS))
+def test_conversion_chains_keep_every_lossy_step(tmp_path, chain):
+    """Every conversion method and chain gives the in-memory model's logits and saved tensors (torch.equal);
+    the offloaded layers stay on meta (nothing loaded as a whole)."""
+    from metapatch.selftest._models import input_ids
+
+    reference, model = _pair(tmp_path, {"model.embed_tokens": "cpu", "model.layers.0": "disk",
+                                        "model.layers.1": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu",
+                                        "lm_head": "disk"})
+    assert _CHAINS[chain](reference) is reference and _CHAINS[chain](model) is model
+    assert model.model.layers[0].mlp.up_proj.weight.is_meta and model.lm_head.weight.is_meta
+    with torch.no_grad():
+        assert torch.equal(model(input_ids()).logits, reference(input_ids()).logits)
+    # save_pretrained reads the offloaded tensors through the hooks' weights maps: served converted
+    from transformers.integrations.accelerate import load_offloaded_parameter
+
+    for name in ("model.layers.0.mlp.up_proj.weight", "lm_head.weight"):
+        got = load_offloaded_parameter(model, name)
+        assert got.dtype == torch.float32 and torch.equal(got, reference.state_dict()[name])
+
+
+def test_nothing_offloaded_converts_as_upstream(tmp_path):
+    """Without offload nothing is installed: the chain is torch's own, byte-equal to the in-memory model."""
+    from metapatch.selftest._models import input_ids
+
+    reference, model = _pair(tmp_path, {"": "cpu"})
+    assert "half" not in model.__dict__ and "to" not in model.__dict__
+    model.to(torch.bfloat16).half().float()
+    reference.to(torch.bfloat16).half().float()
+    with torch.no_grad():
+        assert torch.equal(model(input_ids()).logits, reference(input_ids()).logits)
+
+
+@pytest.mark.skipif(not AFFECTED, reason=f"not affected here: {WHY}")
+def test_removing_the_hooks_removes_the_conversion_methods_on_accelerate_that_tracks_them(tmp_path):
+    from accelerate.hooks import remove_hook_from_module
+
+    model = _dispatched(tmp_path, offload=True)
+    assert {"to", "half", "float", "bfloat16", "double"} <= set(model.__dict__)
+    remove_hook_from_module(model, recurse=True)
+    left = {name for name in ("to", "half", "float", "bfloat16", "double") if name in model.__dict__}
+    import accelerate.hooks as hooks
+
+    if hasattr(hooks, "_accelerate_added_attributes"):  # older releases remove a fixed list of names
+        assert "to" not in left
+    else:
+        assert not left

@@ -26,7 +26,7 @@ def test_affected_on_every_supported_accelerate():
 class TestThreeWay(ThreeWayCase):
     patch_ids = (PATCH_ID,)
     names = {PATCH_ID: {"remote-code-reads-on-disk", "prophetnet-decoder-embeddings-on-disk",
-                        "own-parameter-mapped-alone-on-disk"}}
+                        "own-parameter-mapped-alone-on-disk", "held-write-through-data-on-disk"}}
 
 
 EMBEDDING_PATCHES = "gemma4-offloaded-embeddings,diffusion-gemma-offloaded-embeddings"
@@ -176,7 +176,8 @@ class Scales(torch.nn.Module):
 
 class Writer(torch.nn.Module):
     """A forward that writes a child's parameter it reads: in memory the write persists (the next call
-    computes with it); offloaded, the held copy goes back to meta and the write would be lost."""
+    computes with it); offloaded, the held copy goes back to meta and the write would be lost unless the
+    offload store keeps it."""
 
     def __init__(self, how):
         super().__init__()
@@ -188,30 +189,65 @@ class Writer(torch.nn.Module):
         out = self.proj(x * self.scales.scale)
         if self.how == "in place":
             self.scales.scale.mul_(0.5)
-        else:
+        elif self.how == "replaced":
             self.scales.scale = torch.nn.Parameter(self.scales.scale * 0.5)
+        elif self.how == ".data in place":  # bumps no _version of the parameter
+            self.scales.scale.data.mul_(0.5)
+        elif self.how == ".data replaced":
+            self.scales.scale.data = self.scales.scale.data * 0.5
+        elif self.how == "element":  # textual-inversion style: one entry through .data
+            self.scales.scale.data[1] = 7.0
         return out
 
 
-@pytest.mark.parametrize("how, mode", [("in place", torch.no_grad), ("replaced", torch.no_grad),
-                                       ("replaced", torch.inference_mode)])
-def test_a_write_into_a_held_tensor_is_refused_not_lost(tmp_path, how, mode):
+_WRITES = ["in place", "replaced", ".data in place", ".data replaced", "element"]
+_MODES = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
+
+
+@pytest.mark.parametrize("mode", sorted(_MODES))
+@pytest.mark.parametrize("how", _WRITES)
+@pytest.mark.parametrize("offload", ["disk", "cpu"])
+def test_a_write_into_a_held_tensor_is_kept_as_in_memory(tmp_path, how, mode, offload):
+    """Every way of writing a held tensor (seen by _version or not) reaches the offload store: three calls
+    give the in-memory model's outputs (torch.equal), the weight is on meta again, the user's offload
+    folder is not written."""
+    x = torch.randn(1, 3, 4, generator=torch.Generator().manual_seed(1))
     torch.manual_seed(0)
-    x = torch.randn(1, 3, 4)
     reference = Writer(how).eval()
-    with mode():
-        first, second = reference(x), reference(x)
-    assert not torch.equal(first, second), "the write changes what the next call computes: it matters"
+    with _MODES[mode]():
+        expected = [reference(x) for _ in range(3)]
+    assert not torch.equal(expected[0], expected[1]), "the write changes what the next call computes: it matters"
 
     torch.manual_seed(0)
     model = Writer(how).eval()
-    accelerate.disk_offload(model, str(tmp_path / "offload"), execution_device="cpu")
+    if offload == "disk":
+        accelerate.disk_offload(model, str(tmp_path / "offload"), execution_device="cpu")
+        files = {p: p.read_bytes() for p in (tmp_path / "offload").iterdir()}
+    else:
+        accelerate.cpu_offload(model, execution_device="cpu")
     assert model.__dict__["_metapatch_outside_reads"].owners == [model.scales]
-    with pytest.raises(metapatch.MetapatchError, match=r"Scales\.scale \(offloaded by accelerate\) was written"):
-        with mode():
-            model(x)
+    with _MODES[mode]():
+        got = [model(x) for _ in range(3)]
+    for call, (a, b) in enumerate(zip(got, expected)):
+        assert torch.equal(a, b), (call, (a - b).abs().max().item())
     assert model.scales.scale.is_meta
     assert model.scales._hf_hook.offload  # offloaded again, as after any forward
+    if offload == "disk":
+        assert {p: p.read_bytes() for p in (tmp_path / "offload").iterdir()} == files
+
+
+def test_a_write_into_a_held_tied_tensor_is_refused(tmp_path):
+    """A held weight tied to another hook's cannot be kept in step with its partner: refused, not lost."""
+    torch.manual_seed(0)
+    model = Writer(".data in place").eval()
+    accelerate.disk_offload(model, str(tmp_path / "offload"), execution_device="cpu")
+    from metapatch._offload.store import TIED_MARK
+
+    model.scales.__dict__[TIED_MARK] = frozenset({"scale"})  # what mark_tied records for a tied weight
+    with pytest.raises(metapatch.MetapatchError, match=r"Scales\.scale, a weight tied"):
+        with torch.no_grad():
+            model(torch.randn(1, 3, 4))
+    assert model.scales.scale.is_meta and model.scales._hf_hook.offload
 
 
 def test_a_reader_that_writes_nothing_runs_under_inference_mode(tmp_path):
