@@ -13,6 +13,12 @@ a tensor of shape torch.Size([5, 64]) in "weight" (which has shape torch.Size([2
 architecture on disk meets it (classification heads, ``score``/``classifier`` weights and biases), and with
 ``ignore_mismatched_sizes=False`` the load that memory refuses goes through until that forward.
 
+The same path skips the in-memory load's dtype: a disk-mapped tensor is read and cast as memory would cast it
+(``_keep_in_fp32_modules``: T5's ``wo`` stays float32 in a float16 model), then dropped; the module keeps the
+placeholder the model was built with (float16) and the index entry says float16, so the hook serves a float16
+``wo`` where memory computes in float32 (a T5 loaded with ``dtype=torch.float16`` and its blocks on disk is
+0.004 off the in-memory float16 model). Any model with ``_keep_in_fp32_modules`` (or a dtype plan) meets it.
+
 The fix, where the load made a disk offload index: once the checkpoint is loaded, each index entry's shape
 (read from the safetensors header it points to, never the tensor) is compared with the model's tensor, as
 ``set_param_for_module`` compares in memory; a different shape (not a weight the quantizer packs) becomes a
@@ -21,19 +27,28 @@ load unless ``ignore_mismatched_sizes=True``, and otherwise materialises the ten
 ``"disk"`` entry read as ``"cpu"``) and initialises it exactly as the in-memory load would. The initialised
 value is served to the offload hook from memory, in front of the index, by the mechanism of
 ``accelerate-unindexed-disk-tensors`` (a tensor the model holds that the index lacks: the offload store's
-``Overlay``); nothing is written into the offload folder or the checkpoint. Everywhere else (no disk entry,
-every shape equal) the index is left as upstream made it.
+``Overlay``); nothing is written into the offload folder or the checkpoint. A disk-mapped tensor that the load
+made in another dtype than its placeholder's (the value ``offload_and_maybe_resave_param`` receives, cast as
+memory casts it) gets a placeholder of that dtype, and its index entry that dtype, so the hook serves what the
+in-memory load holds. Everywhere else (no disk entry, every shape and dtype equal) the index and the
+placeholders are left as upstream made them.
 """
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Mapping
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from metapatch._framework.calls import signature_of
 from metapatch._framework.records import Patch, Target, Upstream
+from metapatch.patches._shared_targets import shared_fingerprints
 
 PATCH_ID = "transformers-mismatched-disk-weights"
+
+# While convert_and_load_state_dict_in_model runs: {disk-mapped name: the dtype the load made its value in}.
+_LOADED_DTYPES: "contextvars.ContextVar[Optional[Dict[str, Any]]]" = contextvars.ContextVar(
+    "metapatch_disk_loaded_dtypes", default=None)
 
 
 class _Headers:
@@ -86,9 +101,55 @@ def mismatched_entries(model: Any, index: Mapping[str, Any], quantizer: Any = No
     return found
 
 
+def _plain_floating(value: Any) -> bool:
+    """A floating tensor of torch's own classes (a quantized library's tensor keeps its own placeholder)."""
+    import torch
+
+    return type(value) in (torch.Tensor, torch.nn.Parameter) and value.is_floating_point()
+
+
+def _offload_and_maybe_resave_param(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...],
+                                    kwargs: Dict[str, Any]) -> Any:
+    dtypes = _LOADED_DTYPES.get()
+    if dtypes is not None:
+        arguments = signature_of(wrapped).bind_partial(*args, **kwargs).arguments
+        param = arguments.get("param")
+        if _plain_floating(param):
+            dtypes[arguments["target_name"]] = param.dtype
+    return wrapped(*args, **kwargs)
+
+
+def _replace_placeholder(model: Any, name: str, dtype: Any) -> bool:
+    """Give the meta placeholder of ``name`` (every module holding it: ties) the dtype ``dtype``."""
+    import torch
+
+    path, _, local = name.rpartition(".")
+    owner = model.get_submodule(path) if path else model
+    old = owner._parameters.get(local)
+    if old is None:
+        old = owner._buffers.get(local)
+    if old is None or not old.is_meta or old.dtype == dtype or not old.is_floating_point():
+        return False
+    new = torch.empty_like(old, dtype=dtype, device="meta")
+    if isinstance(old, torch.nn.Parameter):
+        new = torch.nn.Parameter(new, requires_grad=old.requires_grad)
+    new.__dict__.update(getattr(old, "__dict__", {}))  # transformers' flags (_is_hf_initialized, ...)
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for key, value in table.items():
+                if value is old:
+                    table[key] = new
+    return True
+
+
 def _convert_and_load_state_dict_in_model(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...],
                                           kwargs: Dict[str, Any]) -> Any:
-    result = wrapped(*args, **kwargs)
+    dtypes: Dict[str, Any] = {}
+    token = _LOADED_DTYPES.set(dtypes)
+    try:
+        result = wrapped(*args, **kwargs)
+    finally:
+        _LOADED_DTYPES.reset(token)
     loading_info, index = result
     if not index:  # no disk entry: the common case costs this test
         return result
@@ -100,13 +161,19 @@ def _convert_and_load_state_dict_in_model(wrapped: Callable[..., Any], instance:
         # materialises and initialises the tensor, and accelerate-unindexed-disk-tensors serves it
         loading_info.mismatched_keys.add((name, checkpoint, expected))
         del index[name]
+    for name, dtype in dtypes.items():
+        entry = index.get(name)
+        if isinstance(entry, dict) and _replace_placeholder(model, name, dtype):
+            # the loader casts what it reads to the entry's dtype: the dtype the in-memory load holds
+            entry["dtype"] = str(dtype).replace("torch.", "")
     return result
 
 
 PATCH = Patch(
     id=PATCH_ID,
-    title="from_pretrained(ignore_mismatched_sizes=True) re-initialises a mismatched weight mapped to disk, as in "
-          "memory, instead of serving the checkpoint's tensor of the old shape",
+    title="from_pretrained gives a weight mapped to disk what the in-memory load gives it: a mismatched shape "
+          "(a new head, ignore_mismatched_sizes=True) re-initialised instead of the checkpoint's tensor of the old "
+          "shape, and the in-memory dtype (_keep_in_fp32_modules) instead of the model's default",
     # Measured (selftest, unpatched: ValueError "Trying to set a tensor of shape ..." at the first forward):
     # transformers 5.7.0, 5.11.0 and 5.25.0. Every variant from 5.1.0 on returns (loading_info,
     # disk_offload_index), records in-memory mismatches as (name, checkpoint shape, model shape) and sends
@@ -132,7 +199,13 @@ PATCH = Patch(
                ),
                wrapper=_convert_and_load_state_dict_in_model,
                aliases=("transformers.modeling_utils:convert_and_load_state_dict_in_model",)),
+        Target("transformers.core_model_loading", "offload_and_maybe_resave_param",
+               fingerprints=shared_fingerprints("transformers.core_model_loading:offload_and_maybe_resave_param"),
+               wrapper=_offload_and_maybe_resave_param),
     ),
+    # It only reads the value it is given; the quantized-weights patch may replace that value (packed 4-bit
+    # data, skipped here) and goes inside.
+    wraps_over=("transformers-quantized-disk-weights",),
     upstream=Upstream(
         bug=(),
         forwarded="no",

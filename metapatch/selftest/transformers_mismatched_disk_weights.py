@@ -1,5 +1,6 @@
-"""Reproducers for transformers-mismatched-disk-weights: a new head (``num_labels`` other than the checkpoint's,
-``ignore_mismatched_sizes=True``) whose module the device map puts on disk.
+"""Reproducers for transformers-mismatched-disk-weights: a tensor the device map puts on disk gets what the
+in-memory load gives it. A new head (``num_labels`` other than the checkpoint's, ``ignore_mismatched_sizes=True``)
+on disk; and a float16 T5 whose ``wo`` (``_keep_in_fp32_modules``) is float32 in memory (last scenario).
 
 In memory, transformers records a tensor whose checkpoint shape differs from the model's as mismatched and
 initialises it anew. On disk it keeps the checkpoint's offload index entry for it, so the offload hook loads
@@ -156,6 +157,47 @@ def mismatch_refused_as_in_memory(workdir: Path) -> Dict[str, Any]:
     return {"max_abs_diff": 0.0, "error": in_memory[0]}
 
 
+def t5_keep_in_fp32_on_disk(workdir: Path) -> Dict[str, Any]:
+    """T5ForConditionalGeneration loaded with dtype=torch.float16 and its encoder and decoder blocks on disk:
+    ``wo`` (``_keep_in_fp32_modules``) is float32 as in memory, and the logits equal the in-memory float16
+    model's."""
+    import torch
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    path = workdir / "ckpt"
+    torch.manual_seed(0)
+    config = T5Config(vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2,
+                      num_heads=4, decoder_start_token_id=0, pad_token_id=0)
+    T5ForConditionalGeneration(config).save_pretrained(path)
+    if "wo" not in (T5ForConditionalGeneration._keep_in_fp32_modules or ()):
+        from . import NotApplicable
+
+        raise NotApplicable("this transformers keeps no T5 module in float32")
+    device_map = {"shared": "memory", "encoder.embed_tokens": "memory", "encoder.block": "disk",
+                  "encoder.final_layer_norm": "memory", "decoder.embed_tokens": "memory", "decoder.block": "disk",
+                  "decoder.final_layer_norm": "memory", "lm_head": "memory"}
+    reference = to_device(T5ForConditionalGeneration.from_pretrained(path, dtype=torch.float16).eval())
+    offloaded = T5ForConditionalGeneration.from_pretrained(
+        path, dtype=torch.float16, device_map=_placed(device_map, main_device()),
+        offload_folder=str(workdir / "offload")).eval()
+    name = "encoder.block.0.layer.1.DenseReluDense.wo.weight"
+    dtypes = (offloaded.get_parameter(name).dtype, reference.get_parameter(name).dtype)
+    if dtypes[0] != dtypes[1]:
+        raise AssertionError(f"{name} is {dtypes[0]} offloaded, {dtypes[1]} in memory")
+    ids = device_input_ids()
+    decoder_ids = to_device(torch.tensor([[0, 5, 9, 17]]))
+    with torch.no_grad():
+        logits = offloaded(input_ids=ids, decoder_input_ids=decoder_ids).logits
+        expected = reference(input_ids=ids, decoder_input_ids=decoder_ids).logits
+    diff = max_abs_diff(logits, expected)
+    if diff > 0:
+        raise AssertionError(f"logits {diff} off the in-memory float16 model's")
+    written = _files(workdir / "offload")
+    if written:
+        raise AssertionError(f"the offload folder was written: {written}")
+    return {"max_abs_diff": diff, "wo_dtype": str(dtypes[0])}
+
+
 _SHAPE = r"Trying to set a tensor of shape"
 
 SCENARIOS = [
@@ -171,4 +213,9 @@ SCENARIOS = [
              "without ignore_mismatched_sizes the offloaded load is refused at load like the in-memory one "
              "(unpatched: it loads; the scenario reports the difference)",
              expected_error="AssertionError", expected_message=r"the offloaded load gave None"),
+    Scenario(PATCH_ID, "t5-keep-in-fp32-on-disk", f"{__name__}:t5_keep_in_fp32_on_disk",
+             "T5ForConditionalGeneration in float16 with its blocks on disk: wo (_keep_in_fp32_modules) is float32 "
+             "as in memory and the logits equal the in-memory float16 model's (unpatched: a float16 wo, logits "
+             "about 0.003 off)",
+             expected_error="AssertionError", expected_message=r"wo\.weight is torch\.float16 offloaded"),
 ]

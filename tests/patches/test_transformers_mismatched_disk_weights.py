@@ -1,9 +1,9 @@
 """transformers-mismatched-disk-weights: three-way proof on its scenarios (unpatched: ValueError at the first
-forward, or a load memory refuses; patched: the in-memory answer; the upstream diff alone, with accelerate's
-diff for tensors an offload index lacks: fixed), plus in-process checks of the index rule.
+forward, a load memory refuses, or a float16 T5 wo; patched: the in-memory answer; the upstream diff alone, with
+accelerate's diff for tensors an offload index lacks: fixed), plus in-process checks of the index rule.
 
-Measured unpatched (ValueError "Trying to set a tensor of shape ..." at the first forward): transformers 5.7.0,
-5.11.0 and 5.25.0."""
+Measured unpatched (ValueError "Trying to set a tensor of shape ..." at the first forward; T5 logits 0.0039 off
+on 5.25.0, 0.0022 on 5.11.0): transformers 5.7.0, 5.11.0 and 5.25.0."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ SERVED_BY = "accelerate-unindexed-disk-tensors"
 
 class TestThreeWay(ThreeWayCase):
     patch_ids = (PATCH.id,)
-    names = {PATCH.id: {"llama-score-on-disk", "bert-classifier-on-disk", "mismatch-refused-at-load"}}
+    names = {PATCH.id: {"llama-score-on-disk", "bert-classifier-on-disk", "mismatch-refused-at-load",
+                        "t5-keep-in-fp32-on-disk"}}
 
     def diff_companions(self, patch_id):
         return (SERVED_BY,)
@@ -32,6 +33,8 @@ class TestThreeWay(ThreeWayCase):
             assert outcome.metrics["head_shape"] == [2, 64] and outcome.metrics["head_tensors"] == ["score.weight"]
         elif scenario.name == "bert-classifier-on-disk":
             assert outcome.metrics["head_tensors"] == ["classifier.bias", "classifier.weight"]
+        elif scenario.name == "t5-keep-in-fp32-on-disk":
+            assert outcome.metrics["wo_dtype"] == "torch.float32"
 
 
 # -- in-process ---------------------------------------------------------------------------------
@@ -99,3 +102,22 @@ def test_loading_info_reports_the_mismatch_as_in_memory(tmp_path):
                          offload_folder=str(tmp_path / "offload"), output_loading_info=True)
     assert sorted(map(tuple, offloaded["mismatched_keys"])) == sorted(map(tuple, in_memory["mismatched_keys"]))
     assert [key for key, *_ in offloaded["mismatched_keys"]] == ["score.weight"]
+
+
+@needs_patch
+def test_placeholder_dtypes_are_the_in_memory_ones_and_ties_survive(tmp_path):
+    """The float32 placeholder replaces the float16 one wherever the model holds it (every tie), and only where
+    the load made another dtype: the float16 tensors on disk keep theirs."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = T5Config(vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2,
+                      num_heads=4, decoder_start_token_id=0, pad_token_id=0)
+    T5ForConditionalGeneration(config).save_pretrained(tmp_path / "ckpt")
+    model = T5ForConditionalGeneration.from_pretrained(
+        tmp_path / "ckpt", dtype=torch.float16, offload_folder=str(tmp_path / "offload"),
+        device_map={"shared": "disk", "encoder": "disk", "decoder": "cpu", "lm_head": "cpu"})
+    in_memory = T5ForConditionalGeneration.from_pretrained(tmp_path / "ckpt", dtype=torch.float16)
+    dtypes = {name: p.dtype for name, p in model.named_parameters()}
+    assert dtypes == {name: p.dtype for name, p in in_memory.named_parameters()}
+    assert model.encoder.embed_tokens.weight is model.shared.weight  # the tie survives
