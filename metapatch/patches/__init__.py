@@ -40,5 +40,7 @@ INDEX = {
     'tied-device-map-transformers-v4': ('tied_device_map_transformers_v4', ('transformers.modeling_utils',)),
     'transformers-fsdp2-keep-full-weight-reshard': ('transformers_fsdp2_keep_full_weight_reshard', ('transformers.distributed.fsdp',)),
     'transformers-load-adapter-offload': ('transformers_load_adapter_offload', ('transformers.integrations.peft',)),
+    'transformers-mismatched-disk-weights': ('transformers_mismatched_disk_weights', ('transformers.core_model_loading',)),
+    'transformers-pipeline-offloaded-device': ('transformers_pipeline_offloaded_device', ('transformers.pipelines.base',)),
     'transformers-quantized-disk-weights': ('transformers_quantized_disk_weights', ('transformers.quantizers.quantizer_bnb_4bit', 'transformers.integrations.bitsandbytes', 'transformers.core_model_loading')),
 }

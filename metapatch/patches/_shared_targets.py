@@ -40,6 +40,10 @@ FINGERPRINTS: Dict[str, Tuple[Variant, ...]] = {
         ("81f88a737d7c9ee3", "1.15.0", "1.15.0"),
         ("4b4fdc27416f81b5", "1.16.0", "1.16.0"),
     ),
+    # transformers-quantized-disk-weights, transformers-mismatched-disk-weights
+    "transformers.core_model_loading:offload_and_maybe_resave_param": (
+        ("0571c85df1e591dc", "5.1.0", "5.25.0"),
+    ),
     # offloaded-outside-reads, tied-device-map-meta-pointer (1.10.x and 1.11+ differ in annotations
     # only: the same call)
     "accelerate.hooks:attach_align_device_hook_on_blocks": (

@@ -46,6 +46,7 @@ from typing import Any, Dict
 
 from metapatch._framework.calls import signature_of
 from metapatch._framework.records import MetapatchError, Patch, Target, Upstream
+from metapatch.patches._shared_targets import shared_fingerprints
 
 PATCH_ID = "transformers-quantized-disk-weights"
 OFFLOADED = ("cpu", "disk")
@@ -186,7 +187,7 @@ PATCH = Patch(
                ),
                wrapper=bnb4bit_quantize_convert),
         Target("transformers.core_model_loading", "offload_and_maybe_resave_param",
-               fingerprints=("0571c85df1e591dc",),  # 5.1.0 .. 5.25.0
+               fingerprints=shared_fingerprints("transformers.core_model_loading:offload_and_maybe_resave_param"),
                wrapper=offload_and_maybe_resave_param),
     ),
     upstream=Upstream(
