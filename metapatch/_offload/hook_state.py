@@ -179,20 +179,14 @@ def storage(hook: Any) -> str:
     if places:
         return DISK if DISK in places else CPU
     # No tensor names recorded (a hook built by hand): any index entry under the map's prefix.
-    inner, prefix = weights_map, ""
-    for _ in range(32):
-        if _is_overlay(inner):
-            inner = inner.previous
-        elif hasattr(inner, "prefix") and hasattr(inner, "dataset"):
-            prefix, inner = prefix + inner.prefix, inner.dataset
-        else:
-            break
+    inner, prefix = _unwrapped(weights_map)
     index = getattr(inner, "index", None) or {}
     return DISK if any(k.startswith(prefix) for k in index) else CPU
 
 
-def _prefix(weights_map: Any) -> str:
-    """The key prefix a weights map adds in front of its module's tensor names (``PrefixedDataset``)."""
+def _unwrapped(weights_map: Any) -> "tuple[Any, str]":
+    """The store under a weights map's overlays and ``PrefixedDataset`` views, and the key prefix the views add
+    in front of its module's tensor names."""
     prefix = ""
     for _ in range(32):
         if _is_overlay(weights_map):
@@ -201,7 +195,12 @@ def _prefix(weights_map: Any) -> str:
             prefix, weights_map = prefix + weights_map.prefix, weights_map.dataset
         else:
             break
-    return prefix
+    return weights_map, prefix
+
+
+def _prefix(weights_map: Any) -> str:
+    """The key prefix a weights map adds in front of its module's tensor names (``PrefixedDataset``)."""
+    return _unwrapped(weights_map)[1]
 
 
 def served_placeholders(module: Any) -> List[Any]:
