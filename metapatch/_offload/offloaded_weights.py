@@ -29,13 +29,15 @@ class OffloadedWriteError(MetapatchError, RuntimeError):
 
 
 @contextlib.contextmanager
-def materialised(*modules: Any) -> Iterator[None]:
+def materialised(*modules: Any, watch_values: bool = True) -> Iterator[None]:
     """Within the block, the weights of every offloaded module in ``modules`` are on their execution device.
 
     A tensor written meanwhile (in place, through ``.data``, under ``torch.inference_mode``, or replaced)
     is kept by the offload store (:func:`metapatch._offload.store.keep_changes`: a CPU copy the hook serves
-    from then on), as the in-memory model keeps it; each held tensor's values are copied when it is
-    loaded, since ``.data`` and inference-mode writes bump no version. A write the store cannot keep (a
+    from then on), as the in-memory model keeps it; with ``watch_values`` each held tensor's values are
+    copied when it is loaded, since ``.data`` and inference-mode writes bump no version (the price: the tensor
+    is held twice while the block runs). Without it, a replacement or an in-place write that bumps the version
+    is still kept: for calls whose code is known to only read the weights. A write the store cannot keep (a
     weight tied to another hook's) raises :class:`OffloadedWriteError` once the block ends. Quantized
     tensor classes are left to their library: bitsandbytes repacks 4-bit weights on a first forward, and
     repacks the reloaded ones the same way on the next, so nothing is lost there."""
@@ -49,7 +51,7 @@ def materialised(*modules: Any) -> Iterator[None]:
             for hook in offload_hooks(module):
                 hook.pre_forward(module)  # load the weights onto the execution device
                 hook.offload = False      # so the module's own forward does not offload them mid-way
-                held.append((module, hook, snapshot(module, hook, plain_only=True)))
+                held.append((module, hook, snapshot(module, hook, values=watch_values, plain_only=True)))
         yield
         for module, hook, taken in held:
             keep_changes(module, hook, taken, refused, tied, plain_only=True)
@@ -71,13 +73,16 @@ def _attribute(instance: Any, dotted: str) -> Any:
 
 def call_with_materialised(*attributes: str) -> Callable[..., Any]:
     """A wrapt wrapper for a method that reads the weights of ``instance.<attribute>`` directly: the call
-    runs with those modules materialised (see :func:`materialised`)."""
+    runs with those modules materialised (see :func:`materialised`). The methods a patch names this way are
+    upstream model code that reads the weight (an embedding lookup): no copy of its values is taken, which for
+    Gemma 4's large offloaded embeddings would double the memory the call holds; replacements and in-place
+    writes that bump the version are still kept."""
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         modules = [_attribute(instance, dotted) for dotted in attributes]
         if not any(offload_hooks(module) for module in modules):
             return wrapped(*args, **kwargs)  # nothing offloaded (or already materialised): no cost
-        with materialised(*modules):
+        with materialised(*modules, watch_values=False):
             return wrapped(*args, **kwargs)
 
     return wrapper

@@ -92,6 +92,35 @@ def test_materialised_for_the_call_then_offloaded_again():
     assert all(h.offload for h in [module.embed._hf_hook])
 
 
+def test_a_named_upstream_read_holds_no_second_copy(monkeypatch):
+    """The methods a patch names (Gemma 4's embedding lookups) only read the weight: no copy of its values is
+    taken for the call (that would hold Gemma 4's large offloaded embedding twice); a replacement made during the
+    call is still kept, as in memory."""
+    import wrapt
+
+    from metapatch._offload import store
+
+    module, ids, expected, wrapper = _offloaded()
+    asked = []
+    original = store.snapshot
+    monkeypatch.setattr(store, "snapshot", lambda *a, **k: asked.append(k.get("values", True)) or original(*a, **k))
+
+    def replaces_weight(self, ids):
+        self.embed.weight = torch.nn.Parameter(self.embed.weight * 2)
+        return ReadsWeightDirectly.forward(self, ids)
+
+    module.__class__ = type("Wrapped", (ReadsWeightDirectly,),
+                            {"forward": wrapt.FunctionWrapper(replaces_weight, wrapper)})
+    with torch.no_grad():
+        module(ids)
+    assert asked == [False]
+    assert module.embed.weight.is_meta  # offloaded again; its hook serves the kept replacement from now on
+    torch.manual_seed(0)
+    in_memory = ReadsWeightDirectly().eval()  # the same weights as _offloaded()'s module
+    with torch.no_grad():
+        assert torch.equal(module.embed(ids), 2 * in_memory.embed(ids))
+
+
 def test_offloaded_again_when_the_call_raises():
     import wrapt
 
