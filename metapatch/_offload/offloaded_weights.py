@@ -18,7 +18,7 @@ Nothing here imports accelerate: a process that never imported ``accelerate.hook
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 from metapatch._offload.hook_state import offload_hooks
 from metapatch._framework.records import MetapatchError
