@@ -1,30 +1,16 @@
-"""What the two-rank FSDP reproducers share (gloo on CPU): the releases they were measured on, the
-non-zero LoRA adapter every process builds alike, and the per-rank comparison with the
-single-process reference. Imported only inside scenario functions: torch is heavy."""
+"""What the two-rank FSDP reproducers share (gloo on CPU): the non-zero LoRA adapter every process builds
+alike, and the per-rank comparison with the single-process reference (the releases each was measured from
+are declared on its Scenario: ``requires``). Imported only inside scenario functions: torch is heavy."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Dict, List
 
-from . import NotApplicable
 from ._models import max_abs_diff
 from ._ranks import raise_first_error
 
 LORA_SEED = 3
-
-
-def within_measured(**minimums: str) -> None:
-    """Below the releases these two-rank flows were measured on, the patches claim nothing (their
-    targets are other code variants, and transformers 4.57 has no such loading step): n/a, not a verdict."""
-    from importlib.metadata import version
-
-    from packaging.version import Version
-
-    for distribution, minimum in minimums.items():
-        if Version(version(distribution)) < Version(minimum):
-            raise NotApplicable(f"two-rank FSDP loading measured from {distribution} {minimum} on "
-                                f"({version(distribution)} installed)")
 
 
 def lora_model(path: Path) -> Any:
