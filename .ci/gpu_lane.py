@@ -64,10 +64,12 @@ BNB_LIBRARIES = ("libbitsandbytes_cpu.so", "libbitsandbytes_cuda130.so")  # the 
 SUITE_IGNORED = ("tests/test_upstream_suites.py", "tests/test_sweep.py", "tests/test_reproducers.py",
                  "tests/test_series_reproducers.py", "tests/test_gpu_lane.py")  # the last: this lane's own dry run
 # Three-way files run first, on cuda:0 (their scenarios take the execution device as a parameter): the 4-bit
-# flows with layers on cpu and disk, and the model-device flows. The suite step runs the other ones, with the
-# time it has.
+# flows with layers on cpu and disk, the model-device flows, and the pipeline's device (its cpu-first map
+# sends inputs to the CPU unpatched only where a GPU computes: measured nowhere else). The suite step runs the
+# other ones, with the time it has.
 THREE_WAY = ("tests/patches/test_transformers_quantized_disk_weights.py", "tests/patches/test_bnb_quant_state_offload.py",
-             "tests/patches/test_offloaded_model_device.py", "tests/patches/test_gemma4_offloaded_embeddings.py")
+             "tests/patches/test_offloaded_model_device.py", "tests/patches/test_gemma4_offloaded_embeddings.py",
+             "tests/patches/test_transformers_pipeline_offloaded_device.py")
 STEP_CAPS = {"env": 30, "gpu-tests": 75, "selftest": 70, "three-way": 75, "bench": 70}
 RESERVE_S = 12  # kept at the end for the summary (smoke: 4)
 STOP_GRACE_S = 10  # between a pytest step's SIGINT at its deadline and the SIGKILL of what is left
