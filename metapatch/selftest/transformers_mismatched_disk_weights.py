@@ -200,22 +200,30 @@ def t5_keep_in_fp32_on_disk(workdir: Path) -> Dict[str, Any]:
 
 _SHAPE = r"Trying to set a tensor of shape"
 
+# The patch's range: transformers 4.57 fails these flows another way (a resized head on disk: KeyError at the
+# first forward; T5's wo in float16 on disk: 0.0039 off), which this patch does not fix (measured in the `oldest`
+# gate stack, 4.57.1 / accelerate 1.10.0).
+_RANGE = {"transformers": ">=5.1.0"}
+# The resized head is served from memory from 5.7 on (measured on 5.7, 5.11, 5.25); on 5.2 (accelerate 1.11) the
+# head's entry is dropped but nothing serves the initialised value: KeyError at the first forward, not fixed.
+_SERVED_FROM = {"transformers": ">=5.7.0"}
+
 SCENARIOS = [
     Scenario(PATCH_ID, "llama-score-on-disk", f"{__name__}:llama_score_on_disk",
              "LlamaForSequenceClassification saved with 5 labels, loaded with num_labels=2, ignore_mismatched_sizes"
              "=True and score on disk: logits equal the in-memory model's with the same weights, the new head is "
              "what the load initialised (unpatched: ValueError at the first forward)",
-             expected_error="ValueError", expected_message=_SHAPE, quick=True),
+             expected_error="ValueError", expected_message=_SHAPE, quick=True, requires=_SERVED_FROM),
     Scenario(PATCH_ID, "bert-classifier-on-disk", f"{__name__}:bert_classifier_on_disk",
              "BertForSequenceClassification, the same with classifier (weight and bias) and pooler on disk",
-             expected_error="ValueError", expected_message=_SHAPE),
+             expected_error="ValueError", expected_message=_SHAPE, requires=_SERVED_FROM),
     Scenario(PATCH_ID, "mismatch-refused-at-load", f"{__name__}:mismatch_refused_as_in_memory",
              "without ignore_mismatched_sizes the offloaded load is refused at load like the in-memory one "
              "(unpatched: it loads; the scenario reports the difference)",
-             expected_error="AssertionError", expected_message=r"the offloaded load gave None"),
+             expected_error="AssertionError", expected_message=r"the offloaded load gave None", requires=_RANGE),
     Scenario(PATCH_ID, "t5-keep-in-fp32-on-disk", f"{__name__}:t5_keep_in_fp32_on_disk",
              "T5ForConditionalGeneration in float16 with its blocks on disk: wo (_keep_in_fp32_modules) is float32 "
              "as in memory and the logits equal the in-memory float16 model's (unpatched: a float16 wo, logits "
              "about 0.003 off)",
-             expected_error="AssertionError", expected_message=r"wo\.weight is torch\.float16 offloaded"),
+             expected_error="AssertionError", expected_message=r"wo\.weight is torch\.float16 offloaded", requires=_RANGE),
 ]
