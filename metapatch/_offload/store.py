@@ -153,9 +153,11 @@ def conversion(model: Any) -> Iterator[None]:
 
 
 def plain_tensor(tensor: Any) -> bool:
+    """A plain tensor or parameter (a marked placeholder, :mod:`metapatch._offload.placeholder_writes`, counts as
+    one): the store keeps a CPU copy of such a tensor; other classes (quantized) are their library's."""
     import torch
 
-    return type(tensor) in (torch.nn.Parameter, torch.Tensor)
+    return type(tensor) in (torch.nn.Parameter, torch.Tensor) or getattr(type(tensor), "_metapatch_placeholder", False)
 
 
 def _changed(before: Tuple[Any, int, Optional[int], Any, Any, Optional[Any]], now: Any) -> bool:

@@ -29,6 +29,7 @@ INDEX = {
     'offloaded-model-device-v4': ('offloaded_model_device_v4', ('transformers.modeling_utils',)),
     'offloaded-move-guard': ('offloaded_move_guard', ('torch.nn.modules.module', 'accelerate.hooks')),
     'offloaded-outside-reads': ('offloaded_outside_reads', ('accelerate.hooks',)),
+    'offloaded-placeholder-writes': ('offloaded_placeholder_writes', ('accelerate.hooks',)),
     'offloaded-resize-token-embeddings': ('offloaded_resize_token_embeddings', ('transformers.modeling_utils',)),
     'offloaded-training-refusal': ('offloaded_training_refusal', ('accelerate.hooks', 'torch.optim.optimizer')),
     'peft-offload-redispatch': ('peft_offload_redispatch', ('peft.peft_model', 'peft.mixed_model', 'peft.tuners.tuners_utils', 'peft.utils.save_and_load')),

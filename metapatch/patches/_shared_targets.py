@@ -44,6 +44,10 @@ FINGERPRINTS: Dict[str, Tuple[Variant, ...]] = {
     "transformers.core_model_loading:offload_and_maybe_resave_param": (
         ("0571c85df1e591dc", "5.1.0", "5.25.0"),
     ),
+    # offloaded-move-guard, offloaded-placeholder-writes (read from each release, 1.10.0 to 1.16.0)
+    "accelerate.hooks:AlignDevicesHook.init_hook": (
+        ("a48dc7e28ef453c0", "1.10.0", "1.16.0"),
+    ),
     # offloaded-outside-reads, tied-device-map-meta-pointer (1.10.x and 1.11+ differ in annotations
     # only: the same call)
     "accelerate.hooks:attach_align_device_hook_on_blocks": (

@@ -32,6 +32,7 @@ from typing import Any, Callable, List, Optional, Tuple
 from metapatch._offload.hook_state import hooked, offload_hooks, storage
 from metapatch._offload.module_walk import named_modules as _named_modules
 from metapatch._framework.records import MetapatchError, Patch, Target, Upstream
+from metapatch.patches._shared_targets import shared_fingerprints
 
 PATCH_ID = "offloaded-move-guard"
 
@@ -282,9 +283,9 @@ _DEVICES = {
     "mtia": _accelerator_device("mtia"),
 }
 
-# accelerate.hooks.AlignDevicesHook.init_hook: the same source in accelerate 1.10.0, 1.10.1, 1.11.0,
-# 1.12.0, 1.13.0, 1.14.0 and 1.15.0 (the support window).
-_INIT_HOOK_FINGERPRINTS = ("a48dc7e28ef453c0",)
+# accelerate.hooks.AlignDevicesHook.init_hook: the same source in every release of the support window
+# (declared once, shared with offloaded-placeholder-writes).
+_INIT_HOOK_FINGERPRINTS = shared_fingerprints("accelerate.hooks:AlignDevicesHook.init_hook")
 
 PATCH = Patch(
     id=PATCH_ID,

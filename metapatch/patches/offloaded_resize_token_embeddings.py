@@ -21,12 +21,10 @@ Here, when the input or output embedding has its own accelerate offload hook:
   (a resized embedding that was on disk lives in CPU memory afterwards; save the model to persist it).
   Tensors shared before re-offloading (a tied head) share one placeholder again afterwards.
 
-Limit: a write into the embedding's ``meta`` placeholder outside any forward after the resize
+A write into the embedding's ``meta`` placeholder after the resize
 (``model.get_input_embeddings().weight.data[token_id] = learned``, textual inversion under
-``accelerate.cpu_offload``) is a no-op in torch that leaves nothing to see (no storage, no version bump on
-the parameter), so it is neither kept nor refused: the hook keeps serving the resized rows without it.
-Remove the hooks around such writes (``accelerate.hooks.remove_hook_from_module(model, recurse=True)``),
-as diffusers' ``load_textual_inversion`` does.
+``accelerate.cpu_offload``) is kept by offloaded-placeholder-writes, which marks the placeholders this patch's
+re-offload puts back.
 
 An embedding offloaded only as part of a larger block (its weights in an ancestor's hook) is refused with
 a :class:`~metapatch._framework.records.MetapatchError`: give the embedding and the head their own ``device_map``

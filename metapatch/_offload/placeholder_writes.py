@@ -1,0 +1,346 @@
+"""Writes into an offloaded weight's ``meta`` placeholder reach the offload store, or raise.
+
+Between forwards accelerate keeps an offloaded parameter as a placeholder on the meta device and serves
+its value from the hook's ``weights_map``. torch accepts any write into a meta tensor and does nothing:
+``embedding.weight.data[token] = learned`` (textual inversion), ``torch.nn.init.zeros_(model.score.weight)``
+(re-initialising a head after loading), ``weight.data.copy_(...)`` or ``weight.mul_(0.5)`` under
+``no_grad`` all return normally, and the next forward computes with the old value. ``.data`` writes do
+not even move the parameter's ``_version``. The in-memory model would have the new values.
+
+Here the placeholders an offload hook creates (its ``init_hook`` and every ``post_forward``) are marked:
+their class becomes :func:`placeholder_class` (an ``nn.Parameter`` subclass, still ``meta``, which turns
+back into a plain ``nn.Parameter`` the moment accelerate builds one around a loaded value, so a forward
+runs on plain parameters), remembering the module and name they stand for. A write into a marked
+placeholder, directly (in place, ``out=``, ``__setitem__``, ``set_``, under ``no_grad`` or
+``inference_mode``) or through ``.data`` and views of it (``weight.data[3]``, ``weight.data[:, :8]``),
+is replayed on the stored value, copied into CPU memory once, and kept in the hook's
+:class:`~metapatch._offload.store.Overlay` (the user's offload folder and checkpoint are never written):
+the next forward, ``save_pretrained`` and every later write read it from there, as they read the
+in-memory model's tensor. A write whose value is itself unknown (a meta source), that would change the
+tensor's shape or dtype, that aims at a tied weight (each tied copy is served by its own hook) or at a
+placeholder whose module no longer serves it raises
+:class:`~metapatch._offload.offloaded_weights.OffloadedWriteError` naming the tensor; nothing is kept
+then. Reads through ``.data`` stay meta, as upstream.
+
+Nothing here imports torch or accelerate at import time.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Dict, List, Optional, Tuple
+
+from metapatch._offload.hook_state import offload_hook, weights_map_of
+
+SLOT = "_metapatch_placeholder_of"  # in a marked placeholder's __dict__: (weakref to module, local dotted name)
+
+_CLASSES: Dict[str, Any] = {}
+
+# In-place methods that are no write of values (torch's names): left to torch.
+_NOT_WRITES = frozenset({"requires_grad_", "share_memory_", "detach_", "retain_grad", "record_stream",
+                         "pin_memory", "_fix_weakref", "register_hook"})
+# aten in-place ops that change a tensor's shape, strides or storage: replayed on a copy, so a refused
+# change leaves the kept value as it was.
+_RESHAPING = frozenset({"set_", "resize_", "resize_as_", "as_strided_", "squeeze_", "unsqueeze_", "t_",
+                        "transpose_", "swapdims_", "swapaxes_", "detach_"})
+# Functions that return a view of the placeholder (``weight[3]``, ``weight[:, :8]``, ``weight.t()``): under
+# ``no_grad`` their result carries the write rule (an in-place init of a row goes through one). ``detach`` is
+# not among them: ``state_dict()`` detaches every parameter, and its entries stay plain meta tensors.
+_VIEWS = frozenset({"__getitem__", "select", "narrow", "view", "view_as", "reshape", "reshape_as", "flatten",
+                    "unflatten", "t", "transpose", "swapaxes", "swapdims", "permute", "squeeze", "unsqueeze",
+                    "expand", "expand_as", "diagonal", "movedim", "moveaxis", "as_strided", "unfold"})
+
+
+def placeholder_class() -> Any:
+    """The class of a marked placeholder (built on first use: torch is imported by then)."""
+    if "placeholder" not in _CLASSES:
+        _CLASSES["placeholder"], _CLASSES["data"] = _build_classes()
+    return _CLASSES["placeholder"]
+
+
+def is_placeholder(tensor: Any) -> bool:
+    return "placeholder" in _CLASSES and type(tensor) is _CLASSES["placeholder"]
+
+
+_SEEN: List[Any] = []  # [WeakIdKeyDictionary: tensor -> (weakref to module, name)], built on first use
+
+
+def note_ties(module: Any, hook: Any) -> None:
+    """Before ``hook`` offloads ``module`` (its ``init_hook``): a parameter object another offloaded module held when
+    its hook was attached is a tied weight (a tied head and input embedding are one object until their hooks put a
+    placeholder in each). Both modules are marked (``TIED_MARK``): a write into either placeholder raises, since each
+    hook serves its own copy and the in-memory model would change both."""
+    if not getattr(hook, "offload", False):
+        return
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    from metapatch._offload.store import TIED_MARK
+
+    if not _SEEN:
+        _SEEN.append(WeakIdKeyDictionary())
+    seen = _SEEN[0]
+    named = module.named_parameters() if getattr(hook, "place_submodules", False) else module._parameters.items()
+    for name, tensor in list(named):
+        if tensor is None:
+            continue
+        earlier = seen.get(tensor)
+        other = earlier[0]() if earlier is not None else None
+        if other is None:
+            seen[tensor] = (weakref.ref(module), name)
+        elif other is not module:
+            for owner, local in ((other, earlier[1]), (module, name)):
+                owner.__dict__[TIED_MARK] = frozenset(owner.__dict__.get(TIED_MARK, ())) | {local}
+
+
+def mark(module: Any, hook: Any) -> None:
+    """Mark the meta placeholders ``hook`` just put on ``module`` (after ``init_hook``/``post_forward``)."""
+    if weights_map_of(hook) is None:
+        return
+    import torch
+
+    parameter = torch.nn.Parameter
+    if getattr(hook, "place_submodules", False):
+        items = [(name, p) for name, p in module.named_parameters()]
+    else:
+        items = list(module._parameters.items())
+    cls = None
+    for name, param in items:
+        if param is not None and type(param) is parameter and param.is_meta:
+            cls = cls or placeholder_class()
+            param.__class__ = cls
+            param.__dict__[SLOT] = (weakref.ref(module), name)
+
+
+# -- the write ------------------------------------------------------------------------------------
+
+
+def _error(message: str) -> Exception:
+    from metapatch._offload.offloaded_weights import OffloadedWriteError
+
+    return OffloadedWriteError(message)
+
+
+def _describe(module: Any, name: str) -> str:
+    return f"{type(module).__name__}.{name}"
+
+
+def _owner(placeholder: Any) -> Tuple[Any, str, Any]:
+    """(module, name as its weights map names it, hook) a marked placeholder stands for; raises when its
+    module no longer holds it (a copy of the model, the module loaded back) or serves it from no store."""
+    ref, name = placeholder.__dict__.get(SLOT, (None, ""))
+    module = ref() if ref is not None else None
+    holder = module
+    *path, local = name.split(".") if name else [""]
+    for part in path:
+        holder = getattr(holder, "_modules", {}).get(part)
+    if holder is None or holder._parameters.get(local) is not placeholder:
+        raise _error(f"metapatch: a write into an offloaded weight's meta placeholder ({tuple(placeholder.shape)}) "
+                     f"whose module no longer serves it: the value would go nowhere. Write into the parameter the "
+                     f"model holds now (getattr(module, name)).")
+    hook = offload_hook(module)
+    if hook is None:
+        raise _error(f"metapatch: a write into {_describe(module, name)}, a meta placeholder no accelerate offload "
+                     f"hook serves any more: the value would go nowhere.")
+    tied = set(getattr(hook, "tied_params_names", None) or ())
+    from metapatch._offload.store import TIED_MARK
+
+    if name in tied or name in module.__dict__.get(TIED_MARK, ()):
+        raise _error(f"metapatch: a write into {_describe(module, name)}, an offloaded weight tied to another "
+                     f"module's: accelerate serves each tied copy from its own hook, so keeping the write here "
+                     f"would leave the other with the old value. Write before dispatching the model, or keep the "
+                     f"tied modules in memory (device_map).")
+    return module, name, hook
+
+
+class _Materialised:
+    """The stored values of the placeholders one write touches, in CPU memory, and where to keep them."""
+
+    def __init__(self) -> None:
+        self.values: Dict[int, Tuple[Any, Any, str, Any, bool]] = {}
+
+    def of(self, placeholder: Any, copy: bool) -> Any:
+        entry = self.values.get(id(placeholder))
+        if entry is None:
+            from metapatch._offload.store import overlay_of
+
+            module, name, hook = _owner(placeholder)
+            overlay = overlay_of(hook)
+            kept = overlay.kept.get(name)
+            if not copy and kept is not None and kept.device.type == "cpu" and kept.dtype == placeholder.dtype \
+                    and kept.shape == placeholder.shape:
+                value, own = kept, True  # written in place: a training loop writes one row per step
+            else:
+                value = overlay[name].detach().to(device="cpu", dtype=placeholder.dtype, copy=True)
+                own = False
+            entry = (placeholder, value, name, hook, own)
+            self.values[id(placeholder)] = entry
+        return entry[1]
+
+    def keep(self) -> None:
+        from metapatch._offload.store import overlay_of
+
+        for placeholder, value, name, hook, _ in self.values.values():
+            if value.shape != placeholder.shape or value.dtype != placeholder.dtype:
+                raise _error(f"metapatch: a write that changes the shape or dtype of an offloaded weight's "
+                             f"placeholder ({name}: {tuple(placeholder.shape)} {placeholder.dtype} -> "
+                             f"{tuple(value.shape)} {value.dtype}); the offload hook serves the placeholder's shape. "
+                             f"Replace the module (or keep it in memory with the device_map) instead.")
+        for placeholder, value, name, hook, _ in self.values.values():
+            overlay_of(hook).kept[name] = value
+
+
+def _write(func: Any, args: tuple, kwargs: dict) -> Any:
+    """Replay one aten write whose written argument is a :func:`placeholder_class` view on the stored
+    values, and keep them."""
+    import torch
+    from torch.utils._pytree import tree_map
+
+    data_cls = _CLASSES["data"]
+    reshaping = func._schema.name.split("::")[-1] in _RESHAPING
+    store = _Materialised()
+    devices: List[Any] = []
+
+    def real(value: Any) -> Any:
+        if isinstance(value, data_cls):
+            view = store.of(value._root, copy=reshaping)
+            for step, rest, kw in value._chain:
+                view = step(view, *rest, **kw)
+            return view
+        if isinstance(value, torch.Tensor):
+            if value.is_meta:
+                raise _error("metapatch: a write into an offloaded weight's placeholder from a tensor on the meta "
+                             "device (itself a placeholder, or computed from one): its values are unknown here. "
+                             "Read the value inside a forward, or from the in-memory model.")
+            devices.append(value.device)
+            return value.to("cpu") if value.device.type != "cpu" and value.dim() > 0 else value
+        return value
+
+    # Outside inference mode: a value copied under it would be an inference tensor, which accelerate cannot make
+    # a parameter of at the next forward (the in-memory model's tensor stays a normal one too).
+    with torch.inference_mode(False), torch.no_grad():
+        real_args, real_kwargs = tree_map(real, args), tree_map(real, kwargs)
+        func(*real_args, **real_kwargs)
+    store.keep()
+
+
+def _writes_into(func: Any, args: tuple, kwargs: dict) -> bool:
+    data_cls = _CLASSES["data"]
+    for index, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = args[index] if index < len(args) else kwargs.get(argument.name)
+        if isinstance(value, data_cls) or (isinstance(value, (list, tuple))
+                                           and any(isinstance(v, data_cls) for v in value)):
+            return True
+    return False
+
+
+def _build_classes() -> Tuple[Any, Any]:
+    import torch
+    from torch.utils._pytree import tree_map
+
+    disabled = torch._C._disabled_torch_function_impl
+    data_getter = torch.Tensor.data.__get__
+
+    class PlaceholderData(torch.Tensor):
+        """``placeholder.data`` (and views of it): the meta tensor upstream gives, whose writes are replayed on the
+        stored value."""
+
+        @staticmethod
+        def __new__(cls, inner: Any, root: Any, chain: Tuple[Any, ...], itself: bool = False) -> Any:
+            made = torch.Tensor._make_wrapper_subclass(
+                cls, inner.shape, strides=inner.stride(), storage_offset=inner.storage_offset(), dtype=inner.dtype,
+                device=inner.device, requires_grad=False)
+            # itself: stands for the parameter object (a direct call on it), not for an alias (.data, a view)
+            made._inner, made._root, made._chain, made._itself = inner, root, chain, itself
+            return made
+
+        def __repr__(self) -> str:
+            return repr(self._inner)
+
+        def __reduce_ex__(self, protocol: Any) -> Any:
+            return self._inner.__reduce_ex__(protocol)
+
+        @classmethod
+        def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+            kwargs = kwargs or {}
+            if _writes_into(func, args, kwargs):
+                if func._schema.name.split("::")[-1] in _RESHAPING and not (args and getattr(args[0], "_itself", 0)):
+                    # set_/resize_/squeeze_ on an alias (``weight.data.set_(t)``) re-points that alias only: the
+                    # parameter keeps its value in memory too
+                    return args[0]
+                _write(func, args, kwargs)
+                written = next(a for a in list(args) + list(kwargs.values()) if isinstance(a, PlaceholderData))
+                return written
+            unwrapped_args = tree_map(lambda v: v._inner if isinstance(v, PlaceholderData) else v, args)
+            unwrapped_kwargs = tree_map(lambda v: v._inner if isinstance(v, PlaceholderData) else v, kwargs)
+            out = func(*unwrapped_args, **unwrapped_kwargs)
+            returns = func._schema.returns
+            if args and isinstance(args[0], PlaceholderData) and isinstance(out, torch.Tensor) and returns \
+                    and returns[0].alias_info is not None:  # a view: writes into it are writes into the root
+                return PlaceholderData(out, args[0]._root, args[0]._chain + ((func, unwrapped_args[1:],
+                                                                               unwrapped_kwargs),))
+            return out
+
+        @classmethod
+        def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+            return disabled(func, types, _scalar_as_tensor(func, args), kwargs or {})
+
+    def _scalar_as_tensor(func: Any, args: tuple) -> tuple:
+        """``weight[3] = 1.0``: torch would wrap the number in a tensor on the target's device (meta), which looks
+        like a source of unknown value; a CPU tensor of the target's dtype holds the same number."""
+        if getattr(func, "__name__", "") == "__setitem__" and len(args) == 3 and isinstance(args[2], (int, float,
+                                                                                                       bool)):
+            return (args[0], args[1], torch.tensor(args[2], dtype=args[0].dtype))
+        return args
+
+    class OffloadedPlaceholder(torch.nn.Parameter):
+        """A meta placeholder an accelerate offload hook serves; writes into it reach the offload store."""
+
+        _metapatch_placeholder = True
+
+        def __new__(cls, data: Any = None, requires_grad: bool = True) -> Any:
+            if data is None or not data.is_meta:  # accelerate loading a value for a forward: a plain parameter
+                return torch.nn.Parameter(data, requires_grad)
+            return super().__new__(cls, data, requires_grad)
+
+        def __deepcopy__(self, memo: Any) -> Any:
+            copied = torch.nn.Parameter(torch.empty_like(self.detach()), self.requires_grad)
+            memo[id(self)] = copied
+            return copied
+
+        def __reduce_ex__(self, protocol: Any) -> Any:
+            return torch.nn.Parameter.__reduce_ex__(torch.nn.Parameter(self.detach(), self.requires_grad), protocol)
+
+        @classmethod
+        def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+            kwargs = kwargs or {}
+            if func == data_getter:
+                data = disabled(func, types, args, kwargs)
+                return PlaceholderData(data, args[0], ()) if data.is_meta and SLOT in args[0].__dict__ else data
+            name = getattr(func, "__name__", "")
+            if name in _VIEWS or _is_write_call(name, kwargs):
+                placeholder = args[0] if args and type(args[0]) is cls else next(
+                    (v for v in kwargs.values() if type(v) is cls), None)  # torch.nn.init passes tensor=...
+                if placeholder is not None and SLOT in placeholder.__dict__ and placeholder.is_meta and not (
+                        placeholder.requires_grad and torch.is_grad_enabled()):  # that one is torch's error
+                    data = PlaceholderData(disabled(data_getter, types, (placeholder,), {}), placeholder, (),
+                                           itself=True)
+                    if args and args[0] is placeholder:
+                        args = (data, *args[1:])
+                    kwargs = {key: data if value is placeholder else value for key, value in kwargs.items()}
+                    args = _scalar_as_tensor(func, args)
+                    with torch._C.DisableTorchFunctionSubclass():
+                        result = func(*args, **kwargs)
+                    return placeholder if result is data else result
+            return disabled(func, types, args, kwargs)
+
+    return OffloadedPlaceholder, PlaceholderData
+
+
+def _is_write_call(name: str, kwargs: dict) -> bool:
+    if name == "__setitem__" or "out" in kwargs:
+        return True
+    if name.startswith("__i") and name.endswith("__"):  # __iadd__, __imul__, ...
+        return name not in ("__init__", "__index__", "__invert__", "__iter__")
+    return name.endswith("_") and not name.endswith("__") and name not in _NOT_WRITES

@@ -1,0 +1,85 @@
+"""offloaded-placeholder-writes: a write into an offloaded weight between forwards (``weight.data[i] = v``,
+``torch.nn.init.zeros_(weight)``, ``weight.mul_(...)`` under ``no_grad``, a row of it, ``set_``) reaches the
+offload store and the next forward, or raises :class:`~metapatch._offload.offloaded_weights.OffloadedWriteError`;
+upstream it vanishes silently.
+
+accelerate keeps an offloaded parameter as a meta placeholder between forwards (every release of the support
+window, measured on 1.13.0 and 1.16.0) and serves the value from its hook's ``weights_map``; torch accepts every
+write into a meta tensor and does nothing. Textual inversion under diffusers' sequential offload
+(``accelerate.cpu_offload``) writes the learned token's row through ``embedding.weight.data[token] = learned``;
+re-initialising a head after ``from_pretrained(device_map=...)`` calls ``torch.nn.init`` on it: the model then
+computes with the old values, with no error.
+
+The offload hooks' ``init_hook`` and ``post_forward`` mark the placeholders they create, and every write into a
+marked one is replayed on the stored value in CPU memory and kept in front of the hook's weights map
+(:mod:`metapatch._offload.placeholder_writes`; the user's offload folder is never written): equal to the
+in-memory model's write, and ``save_pretrained`` writes it. A write that cannot be kept (its source is itself a
+placeholder, it changes shape or dtype, the weight is tied to another module's) raises. Marking costs a class
+assignment per offloaded parameter and forward; accelerate's attribute reads of a marked placeholder go
+through one Python call each (``benchmarks/RESULTS.md``).
+
+Not seen: writes into buffers (offloaded with ``offload_buffers=True``), into a tensor taken with
+``.detach()`` from a placeholder, through ``split``/``unbind``/``chunk`` results, into 4-bit ``Params4bit``
+placeholders (their own class), or into placeholders of hooks attached before metapatch was imported until
+their next forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from metapatch._framework.records import Patch, Target, Upstream
+from metapatch.patches._shared_targets import shared_fingerprints
+
+PATCH_ID = "offloaded-placeholder-writes"
+
+
+def _module_of(args: tuple, kwargs: dict) -> Any:
+    return args[0] if args else kwargs.get("module")
+
+
+def _after_init_hook(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    if not getattr(instance, "offload", False):
+        return wrapped(*args, **kwargs)
+    from metapatch._offload.placeholder_writes import mark, note_ties
+
+    note_ties(_module_of(args, kwargs), instance)  # tied weights are one object until the hooks split them
+    result = wrapped(*args, **kwargs)
+    mark(_module_of(args, kwargs), instance)
+    return result
+
+
+def _after_post_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    result = wrapped(*args, **kwargs)
+    if instance.offload:
+        from metapatch._offload.placeholder_writes import mark
+
+        mark(_module_of(args, kwargs), instance)
+    return result
+
+
+PATCH = Patch(
+    id=PATCH_ID,
+    title="A write into an offloaded weight between forwards (.data, torch.nn.init, in place under no_grad) "
+          "reaches the next forward or raises, instead of vanishing",
+    # Measured: every write kind of the scenarios is a silent no-op on accelerate 1.13.0 and 1.16.0; the
+    # placeholders are meta tensors by design in every release, so the range stays open.
+    affects={"accelerate": ">=1.10.0"},
+    targets=(
+        Target("accelerate.hooks", "AlignDevicesHook.init_hook",
+               fingerprints=shared_fingerprints("accelerate.hooks:AlignDevicesHook.init_hook"),
+               wrapper=_after_init_hook),
+        Target("accelerate.hooks", "AlignDevicesHook.post_forward",
+               fingerprints=("4200559c8ad6e85c",   # accelerate 1.10.0 - 1.12.0
+                             "f14e50617773cfd9",   # accelerate 1.13.0 - 1.15.0
+                             "2984b2e45429e374"),  # accelerate 1.16.0
+               wrapper=_after_post_forward),
+    ),
+    wraps_over=("offloaded-move-guard",),
+    upstream=Upstream(
+        bug=("https://github.com/huggingface/diffusers/issues?q=textual+inversion+cpu_offload",),
+        forwarded="no",
+        note="accelerate: offload hooks keep a write into an offloaded parameter's placeholder (an override the "
+             "hook serves before its weights map) instead of letting it vanish into the meta tensor",
+    ),
+)

@@ -1,0 +1,124 @@
+"""Reproducers for ``offloaded-placeholder-writes``: writes into offloaded weights between forwards.
+
+A tiny Llama (untied head) is offloaded two ways: with ``accelerate.cpu_offload`` (what diffusers' sequential
+offload calls: every weight a meta placeholder behind accelerate's hooks) and with a real
+``from_pretrained(device_map=..., offload_folder=...)`` putting layer 3 and ``lm_head`` on disk. The same writes
+go into an in-memory copy, the oracle: textual inversion's ``embedding.weight.data[token] = learned``, and
+re-initialising / editing weights in place under ``no_grad`` (``torch.nn.init.zeros_``, ``mul_``, a row assigned,
+``.data[:, :4] += 1``). Upstream every write is a no-op on the meta placeholder and the model computes with the
+stored values: the logits differ from the in-memory model's, silently, and the scenario fails with that
+``AssertionError``. Fixed: equal logits, twice (the written values are served again after the next offload), or
+an error at the write that names the offloaded weight. The reference and the map's memory entries are on the
+execution device (``_device``); the writes are deterministic (no random init), so both devices agree bit for bit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Dict
+
+from ._device import main_device, to_device
+from ._harness import Scenario
+from ._models import device_input_ids, max_abs_diff, save_tiny_llama
+
+PATCH_ID = "offloaded-placeholder-writes"
+
+DEVICE_MAP = {
+    "model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu", "model.layers.1": "cpu",
+    "model.layers.2": "cpu", "model.layers.3": "disk", "model.norm": "cpu", "lm_head": "disk",
+}
+
+
+def _logits(model: Any) -> Any:
+    import torch
+
+    with torch.no_grad():
+        return model(device_input_ids()).logits
+
+
+def is_refusal(exc: BaseException) -> bool:
+    """An error at the write that names the offloaded weight (metapatch's or a fixed release's)."""
+    return "offloaded" in str(exc) and "write" in str(exc)
+
+
+def _compare(workdir: Path, offload: Callable[[Path], Any], write: Callable[[Any], None]) -> Dict[str, Any]:
+    from transformers import LlamaForCausalLM
+
+    checkpoint = save_tiny_llama(workdir / "ckpt", tie_word_embeddings=False)
+    reference = to_device(LlamaForCausalLM.from_pretrained(checkpoint)).eval()
+    untouched = _logits(reference)
+    write(reference)
+    expected = _logits(reference)
+    assert max_abs_diff(expected, untouched) > 0, "the writes changed nothing: the comparison would be vacuous"
+    model = offload(checkpoint).eval()
+    try:
+        write(model)
+    except Exception as exc:  # noqa: BLE001 - judged below
+        if not is_refusal(exc):
+            raise
+        return {"max_abs_diff": max_abs_diff(_logits(model), untouched), "refused": type(exc).__name__}
+    diffs = [max_abs_diff(_logits(model), expected) for _ in range(2)]
+    if max(diffs) != 0:
+        raise AssertionError(f"the writes into the offloaded weights were lost: logits differ from the in-memory "
+                             f"model's after the same writes by {diffs[0]} (second forward {diffs[1]})")
+    return {"max_abs_diff": 0.0, "refused": ""}
+
+
+def _cpu_offloaded(checkpoint: Path) -> Any:
+    import accelerate
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(checkpoint)
+    accelerate.cpu_offload(model, execution_device=main_device())
+    assert model.get_input_embeddings().weight.is_meta, "cpu_offload was meant to leave placeholders"
+    return model
+
+
+def _disk_offloaded(checkpoint: Path) -> Any:
+    from transformers import LlamaForCausalLM
+
+    device_map = {name: main_device() if device == "cpu" else device for name, device in DEVICE_MAP.items()}
+    model = LlamaForCausalLM.from_pretrained(checkpoint, device_map=device_map,
+                                             offload_folder=str(checkpoint.parent / "offload"))
+    assert model.lm_head.weight.is_meta, "lm_head was meant to be offloaded"
+    return model
+
+
+def _learn_token(model: Any) -> None:
+    import torch
+
+    learned = torch.linspace(-1.0, 1.0, model.config.hidden_size)
+    model.get_input_embeddings().weight.data[int(device_input_ids()[0, 1])] = learned
+
+
+def _edit_in_place(model: Any) -> None:
+    import torch
+
+    with torch.no_grad():
+        torch.nn.init.zeros_(model.model.layers[3].mlp.down_proj.weight)
+        model.lm_head.weight.mul_(0.5)
+        model.lm_head.weight[3] = 1.0
+        model.model.layers[3].self_attn.q_proj.weight.data[:, :4] += 1.0
+
+
+def textual_inversion(workdir: Path) -> Dict[str, Any]:
+    """cpu_offload, then a learned token's row written through ``embedding.weight.data[token] = learned``."""
+    return _compare(workdir, _cpu_offloaded, _learn_token)
+
+
+def in_place_edits(workdir: Path) -> Dict[str, Any]:
+    """from_pretrained with layer 3 and lm_head on disk, then in-place edits of their weights under no_grad."""
+    return _compare(workdir, _disk_offloaded, _edit_in_place)
+
+
+SCENARIOS = [
+    Scenario(PATCH_ID, "textual-inversion", f"{__name__}:textual_inversion",
+             "accelerate.cpu_offload (diffusers' sequential offload), then embedding.weight.data[token] = learned: "
+             "upstream the row is written into the meta placeholder and lost, silently",
+             expected_error="AssertionError", expected_message="writes into the offloaded weights were lost",
+             quick=True),
+    Scenario(PATCH_ID, "in-place-edits", f"{__name__}:in_place_edits",
+             "layer 3 and lm_head on disk, then torch.nn.init.zeros_, mul_, a row assigned and .data[:, :4] += 1 "
+             "under no_grad: upstream every write is lost, silently",
+             expected_error="AssertionError", expected_message="writes into the offloaded weights were lost"),
+]

@@ -1,0 +1,236 @@
+"""offloaded-placeholder-writes: three-way proof (textual inversion under accelerate.cpu_offload, in-place edits of
+disk-offloaded weights), then in-process checks with metapatch active: every write kind equals the in-memory
+model's (``.data`` rows and slices, ``set_``, ``out=``, ``inference_mode``, ``torch.nn.init``), the written values
+are what ``save_pretrained`` writes while the offload folder stays byte-equal, and what cannot be kept raises
+(a meta source, a shape change, a tied weight) with nothing kept. Nothing offloaded: parameters stay plain.
+
+The in-process maps name ``cpu`` and ``disk`` only, so every model computes on the CPU whatever the machine has
+(the scenarios run on the execution device)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+import metapatch
+from metapatch._offload.offloaded_weights import OffloadedWriteError
+from metapatch.patches.offloaded_placeholder_writes import PATCH
+
+from _three_way import ThreeWayCase  # tests/patches/_three_way.py
+
+AFFECTED, WHY, _, _ = metapatch.registry.gate(PATCH)
+
+
+class TestThreeWay(ThreeWayCase):
+    patch_ids = (PATCH.id,)
+    names = {PATCH.id: {"textual-inversion", "in-place-edits"}}
+
+    def check_patched(self, scenario, outcome):
+        if AFFECTED:
+            assert outcome.metrics["refused"] == "", outcome.metrics  # kept, not refused
+
+
+# -- in process --------------------------------------------------------------------------------
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+in_range = pytest.mark.skipif(not AFFECTED, reason=f"{PATCH.id} not in range here: {WHY}")
+
+DISK = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "cpu", "lm_head": "disk",
+        "model.layers.0": "cpu", "model.layers.1": "disk", "model.layers.2": "cpu", "model.layers.3": "disk"}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from metapatch.selftest._models import save_tiny_llama
+
+    return save_tiny_llama(tmp_path_factory.mktemp("placeholder-writes") / "base", tie_word_embeddings=False)
+
+
+def _load(checkpoint, folder=None, **kwargs):
+    from transformers import LlamaForCausalLM
+
+    if folder is None:
+        return LlamaForCausalLM.from_pretrained(checkpoint, **kwargs).eval()
+    return LlamaForCausalLM.from_pretrained(checkpoint, device_map=DISK, offload_folder=str(folder), **kwargs).eval()
+
+
+def _logits(model):
+    from metapatch.selftest._models import input_ids
+
+    with torch.no_grad():
+        return model(input_ids()).logits
+
+
+def _digests(folder):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+WRITES = {
+    "data-row": lambda m: m.lm_head.weight.data.__setitem__(5, torch.linspace(-1, 1, 64)),
+    "data-slice-add": lambda m: m.model.layers[1].mlp.up_proj.weight.data[:, 2:6].add_(0.25),
+    "data-copy": lambda m: m.model.layers[3].self_attn.o_proj.weight.data.copy_(
+        torch.arange(64 * 64, dtype=torch.float32).reshape(64, 64) / 4096),
+    "data-index-put": lambda m: m.lm_head.weight.data.index_put_((torch.tensor([1, 7]),), torch.ones(64)),
+    "no-grad-mul": lambda m: m.model.layers[1].input_layernorm.weight.mul_(2.0),
+    "no-grad-row-view": lambda m: m.lm_head.weight[9].fill_(0.5),
+    "no-grad-row-scalar": lambda m: m.lm_head.weight.__setitem__(11, 0.25),
+    "data-scalar-mask": lambda m: m.lm_head.weight.data.__setitem__(torch.tensor([2, 4]), -0.5),
+    "no-grad-transpose-view": lambda m: m.model.layers[3].mlp.gate_proj.weight.t()[0].zero_(),
+    "init-zeros": lambda m: torch.nn.init.zeros_(m.model.layers[3].mlp.down_proj.weight),
+    "init-constant": lambda m: torch.nn.init.constant_(m.lm_head.weight, 0.01),
+    "out-kwarg": lambda m: torch.mul(torch.ones(64), 3.0, out=m.model.layers[3].post_attention_layernorm.weight.data),
+    "iadd-operator": lambda m: m.model.layers[1].self_attn.k_proj.weight.__iadd__(1.0),
+    "chained": lambda m: m.lm_head.weight.mul_(0.5).add_(0.1),
+}
+
+
+@in_range
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+@pytest.mark.parametrize("write", sorted(WRITES))
+def test_every_write_kind_equals_the_in_memory_model(checkpoint, tmp_path, write, mode):
+    reference = _load(checkpoint)
+    model = _load(checkpoint, tmp_path / "offload")
+    before = _digests(tmp_path / "offload")
+    context = torch.no_grad if mode == "no_grad" else torch.inference_mode
+    for m in (reference, model):
+        with context():
+            WRITES[write](m)
+    expected = _logits(reference)
+    assert not torch.equal(expected, _logits(_load(checkpoint))), "the write changed nothing: vacuous"
+    assert torch.equal(_logits(model), expected)
+    assert torch.equal(_logits(model), expected)  # served again after the next offload
+    assert _digests(tmp_path / "offload") == before  # the user's offload folder is never written
+
+
+@in_range
+def test_writes_accumulate_like_a_training_loop(checkpoint, tmp_path):
+    """Textual inversion writes rows step after step, with forwards between: each write lands on the last."""
+    reference = _load(checkpoint)
+    model = _load(checkpoint, tmp_path / "offload")
+    for step in range(3):
+        for m in (reference, model):
+            m.lm_head.weight.data[step] = torch.full((64,), step / 3)
+            with torch.no_grad():
+                m.lm_head.weight[step + 4].add_(1.0)
+        assert torch.equal(_logits(model), _logits(reference)), step
+
+
+@in_range
+def test_save_pretrained_writes_the_written_values(checkpoint, tmp_path):
+    reference = _load(checkpoint)
+    model = _load(checkpoint, tmp_path / "offload")
+    for m in (reference, model):
+        with torch.no_grad():
+            WRITES["data-row"](m)
+            WRITES["init-zeros"](m)
+    model.save_pretrained(tmp_path / "saved")
+    reloaded = _load(tmp_path / "saved")
+    for key, value in reference.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[key], value), key
+
+
+@in_range
+@pytest.mark.parametrize("write, what", [
+    ("meta-source", "meta"),
+    ("shape-change", "shape or dtype"),
+])
+def test_what_cannot_be_kept_raises_and_keeps_nothing(checkpoint, tmp_path, write, what):
+    model = _load(checkpoint, tmp_path / "offload")
+    untouched = _logits(model)
+    with pytest.raises(OffloadedWriteError, match=what):
+        if write == "meta-source":
+            model.lm_head.weight.data[2] = model.lm_head.weight.data[3] * 2  # computed on meta: unknown values
+        else:
+            with torch.no_grad():
+                model.lm_head.weight.t_()  # the parameter itself (in memory the model would break)
+    assert torch.equal(_logits(model), untouched)
+
+
+@in_range
+def test_re_pointing_an_alias_leaves_the_weight_as_in_memory(checkpoint, tmp_path):
+    """``weight.data.set_(t)`` / ``.data.t_()`` change the alias ``.data`` returned, not the parameter: in memory the
+    weight keeps its value, and so does the offloaded one (nothing is kept)."""
+    reference = _load(checkpoint)
+    model = _load(checkpoint, tmp_path / "offload")
+    for m in (reference, model):
+        m.lm_head.weight.data.set_(torch.zeros(3, 3))
+        m.lm_head.weight.data.t_()
+    assert torch.equal(_logits(model), _logits(reference))
+    assert torch.equal(_logits(model), _logits(_load(checkpoint)))
+
+
+@in_range
+def test_a_write_into_a_tied_offloaded_weight_raises(tmp_path):
+    import accelerate
+    from metapatch.selftest._models import save_tiny_llama
+    from transformers import LlamaForCausalLM
+
+    checkpoint = save_tiny_llama(tmp_path / "tied", tie_word_embeddings=True)
+    model = LlamaForCausalLM.from_pretrained(checkpoint).eval()
+    accelerate.cpu_offload(model, execution_device="cpu")
+    untouched = _logits(model)
+    with pytest.raises(OffloadedWriteError, match="tied"):
+        model.lm_head.weight.data[3] = torch.ones(64)
+    assert torch.equal(_logits(model), untouched)
+
+
+@in_range
+@pytest.mark.parametrize("placement", ["cpu_offload", "both-on-disk", "embedding-on-disk"])
+@pytest.mark.parametrize("written", ["lm_head", "embed_tokens"])
+def test_a_write_into_a_tied_offloaded_weight_raises_wherever_it_is(tmp_path, placement, written):
+    """A tied head and input embedding: each hook serves its own copy, so a write into one is refused (the
+    in-memory model would change both)."""
+    import accelerate
+    from metapatch.selftest._models import save_tiny_llama
+    from transformers import LlamaForCausalLM
+
+    checkpoint = save_tiny_llama(tmp_path / "tied", tie_word_embeddings=True)
+    if placement == "cpu_offload":
+        model = LlamaForCausalLM.from_pretrained(checkpoint).eval()
+        accelerate.cpu_offload(model, execution_device="cpu")
+    else:
+        device_map = {"model.embed_tokens": "disk", "model.rotary_emb": "cpu", "model.layers": "cpu",
+                      "model.norm": "cpu", "lm_head": "disk" if placement == "both-on-disk" else "cpu"}
+        model = LlamaForCausalLM.from_pretrained(checkpoint, device_map=device_map,
+                                                 offload_folder=str(tmp_path / "offload")).eval()
+    untouched = _logits(model)
+    module = model.lm_head if written == "lm_head" else model.model.embed_tokens
+    assert module.weight.is_meta
+    with pytest.raises(OffloadedWriteError, match="tied"):
+        module.weight.data[3] = torch.ones(64)
+    assert torch.equal(_logits(model), untouched)
+
+
+@in_range
+def test_a_write_into_a_requires_grad_placeholder_with_grad_on_is_torchs_error(checkpoint, tmp_path):
+    model = _load(checkpoint, tmp_path / "offload")
+    assert model.lm_head.weight.requires_grad
+    with pytest.raises(RuntimeError, match="leaf Variable"):
+        model.lm_head.weight.mul_(2.0)
+
+
+@in_range
+def test_reads_stay_meta_and_forwards_run_on_plain_parameters(checkpoint, tmp_path):
+    model = _load(checkpoint, tmp_path / "offload")
+    placeholder = model.lm_head.weight
+    assert placeholder.is_meta and isinstance(placeholder, torch.nn.Parameter)
+    assert model.lm_head.weight.data.clone().is_meta  # a read through .data: meta, as upstream
+    seen = []
+    forward = model.lm_head._old_forward  # accelerate's hook loads the weight around this call
+
+    def recording(*args, **kwargs):
+        seen.append(type(model.lm_head.weight))
+        return forward(*args, **kwargs)
+
+    model.lm_head._old_forward = recording
+    _logits(model)
+    assert seen == [torch.nn.Parameter]  # the loaded weight is a plain parameter during the forward
+    assert type(model.lm_head.weight) is type(placeholder)  # and a marked placeholder after it
+
+
+@in_range
+def test_nothing_offloaded_keeps_plain_parameters(checkpoint):
+    model = _load(checkpoint)
+    assert {type(p) for p in model.parameters()} == {torch.nn.Parameter}
