@@ -12,8 +12,10 @@ goes to folders the flow names: offload folders and adapter folders under its ow
 Steps: get_peft_model / add_adapter with a random tuner (LoRA with every ``init_lora_weights`` in ``INITS``,
 DoRA, IA3, LoHa) over random target modules, modules_to_save; set/delete/merge adapters; resize the
 embeddings; one optimizer step (SGD or AdamW, with or without gradient accumulation; full fine-tuning where
-there is no adapter: refused where a trainable parameter is offloaded); save the adapter and reload it over a fresh base through
-``PeftModel.from_pretrained`` or transformers' ``load_adapter``; generate.
+there is no adapter: refused where a trainable parameter is offloaded); a write into one weight between forwards
+(a ``.data`` row or slice, an init or a scaling under ``no_grad``, a row under ``inference_mode``); a dtype round
+trip (bf16 or fp16 and back) of the model or of a submodule; save the adapter and reload it over a fresh base
+through ``PeftModel.from_pretrained`` or transformers' ``load_adapter``; generate.
 
 The CI run is ``tests/test_flows.py`` (derandomized, a few examples). The long run, a command::
 
@@ -150,6 +152,45 @@ def _built_empty(checkpoint: Path) -> Any:
     if missing:
         model.tie_weights()
     return model
+
+
+# Weights the write rule aims at (names without PEFT's wrapping) and the writes it makes.
+WRITE_TARGETS = ("model.embed_tokens.weight", "model.layers.1.mlp.down_proj.weight",
+                 "model.layers.3.self_attn.q_proj.weight", "model.layers.2.input_layernorm.weight", "lm_head.weight")
+
+
+def _parameter(model: Any, target: str) -> Any:
+    """``target`` of ``model`` or of the base model a PeftModel wraps (a tuner layer's ``base_layer``)."""
+    for name, param in model.named_parameters():
+        plain = name.replace("base_model.model.", "", 1).replace(".base_layer.", ".")
+        if plain == target:
+            return param
+    raise KeyError(target)
+
+
+def _row(param: Any) -> Any:
+    import torch
+
+    return torch.linspace(-1.0, 1.0, param.shape[-1]) if param.dim() > 1 else torch.tensor(0.5)
+
+
+def _under(context: str, write: Any) -> Any:
+    def run(param: Any) -> None:
+        import torch
+
+        with (torch.no_grad() if context == "no_grad" else torch.inference_mode()):
+            write(param)
+
+    return run
+
+
+WRITES = {
+    "data-row": lambda p: p.data.__setitem__(1, _row(p)),
+    "data-slice-add": lambda p: p.data[..., :3].add_(0.5),
+    "no-grad-mul": _under("no_grad", lambda p: p.mul_(0.5)),
+    "no-grad-init-zeros-row": _under("no_grad", lambda p: __import__("torch").nn.init.zeros_(p[2])),
+    "inference-mode-fill-row": _under("inference_mode", lambda p: p[0].fill_(0.25)),
+}
 
 
 def make_machine(inits: tuple = INITS):
@@ -402,6 +443,31 @@ def make_machine(inits: tuple = INITS):
                 self.ref, self.off = pair
                 self.peft = entry != "load_adapter"
                 self.adapters = [active]
+
+        @precondition(lambda self: not self.done)
+        @rule(target=st.sampled_from(WRITE_TARGETS), kind=st.sampled_from(sorted(WRITES)))
+        def write(self, target: str, kind: str) -> None:
+            """A write into one weight between forwards, as users make them (textual inversion's ``.data`` row,
+            an init or a scaling under ``no_grad``, a row under ``inference_mode``): where the weight is offloaded
+            it must reach the next forward (or be refused)."""
+            self._both(f"write {kind} into {target}", lambda m: WRITES[kind](_parameter(m, target)))
+
+        @precondition(lambda self: not self.done)
+        @rule(chain=st.sampled_from(["bf16-fp32", "half-float"]), scope=st.sampled_from(["model", "layers.1",
+                                                                                        "lm_head"]))
+        def convert(self, chain: str, scope: str) -> None:
+            """A dtype round trip of the whole model or of one submodule: the lossy step stays in the values."""
+            import torch
+
+            def round_trip(model: Any) -> None:
+                base = model.get_base_model() if hasattr(model, "get_base_model") else model
+                target = model if scope == "model" else base.lm_head if scope == "lm_head" else base.model.layers[1]
+                if chain == "bf16-fp32":
+                    target.to(torch.bfloat16).to(torch.float32)
+                else:
+                    target.half().float()
+
+            self._both(f"{chain} round trip of {scope}", round_trip)
 
         @precondition(lambda self: not self.done)
         @rule()

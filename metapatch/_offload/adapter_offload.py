@@ -71,8 +71,6 @@ def base_layer_stood_in(module: Any, what: str = "creating an adapter") -> Itera
     values (a LoRA layer created with a value-free initialisation): anything else must use
     :func:`base_layer_onloaded`. Falls back to it for tensors of a class other than ``Parameter``
     and ``Tensor`` (quantized weights carry state an empty tensor lacks)."""
-    import torch
-
     base_layer = base_layer_of(module)
     hook = offload_hook(base_layer)
     if hook is None or offload_store.held(hook):
@@ -80,7 +78,7 @@ def base_layer_stood_in(module: Any, what: str = "creating an adapter") -> Itera
         return
     tensors = [tensor for sub in base_layer.modules() for store in (sub._parameters, sub._buffers)
                for tensor in store.values() if tensor is not None and tensor.device.type == "meta"]
-    if any(type(tensor) not in (torch.nn.Parameter, torch.Tensor) for tensor in tensors):
+    if not all(offload_store.plain_tensor(tensor) for tensor in tensors):
         with base_layer_onloaded(module, what):
             yield
         return

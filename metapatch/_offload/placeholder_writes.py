@@ -30,6 +30,7 @@ from __future__ import annotations
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
+from metapatch._framework.records import MetapatchError
 from metapatch._offload.hook_state import offload_hook, weights_map_of
 
 SLOT = "_metapatch_placeholder_of"  # in a marked placeholder's __dict__: (weakref to module, local dotted name)
@@ -124,7 +125,7 @@ def _describe(module: Any, name: str) -> str:
     return f"{type(module).__name__}.{name}"
 
 
-def _owner(placeholder: Any) -> Tuple[Any, str, Any]:
+def _owner(placeholder: Any, tied_ok: bool = False) -> Tuple[Any, str, Any]:
     """(module, name as its weights map names it, hook) a marked placeholder stands for; raises when its
     module no longer holds it (a copy of the model, the module loaded back) or serves it from no store."""
     ref, name = placeholder.__dict__.get(SLOT, (None, ""))
@@ -144,7 +145,7 @@ def _owner(placeholder: Any) -> Tuple[Any, str, Any]:
     tied = set(getattr(hook, "tied_params_names", None) or ())
     from metapatch._offload.store import TIED_MARK
 
-    if name in tied or name in module.__dict__.get(TIED_MARK, ()):
+    if not tied_ok and (name in tied or name in module.__dict__.get(TIED_MARK, ())):
         raise _error(f"metapatch: a write into {_describe(module, name)}, an offloaded weight tied to another "
                      f"module's: accelerate serves each tied copy from its own hook, so keeping the write here "
                      f"would leave the other with the old value. Write before dispatching the model, or keep the "
@@ -187,6 +188,19 @@ class _Materialised:
                              f"Replace the module (or keep it in memory with the device_map) instead.")
         for placeholder, value, name, hook, _ in self.values.values():
             overlay_of(hook).kept[name] = value
+
+
+def _converted(placeholder: Any) -> None:
+    """A dtype conversion reached a marked placeholder (``module.half()``, ``.to(torch.bfloat16)`` of the model or of
+    any submodule: torch's ``Module._apply`` sets ``.data``): the store serves the stored value converted as the
+    in-memory tensor was, step by step (a chain keeps its lossy step), not cast straight to the last dtype."""
+    from metapatch._offload.store import convert
+
+    try:
+        module, name, hook = _owner(placeholder, tied_ok=True)
+    except MetapatchError:
+        return  # a placeholder nothing serves any more: nothing to convert
+    convert(hook, name, placeholder.dtype)
 
 
 def _write(func: Any, args: tuple, kwargs: dict) -> Any:
@@ -241,6 +255,7 @@ def _build_classes() -> Tuple[Any, Any]:
 
     disabled = torch._C._disabled_torch_function_impl
     data_getter = torch.Tensor.data.__get__
+    data_setter = torch.Tensor.data.__set__
 
     class PlaceholderData(torch.Tensor):
         """``placeholder.data`` (and views of it): the meta tensor upstream gives, whose writes are replayed on the
@@ -318,6 +333,12 @@ def _build_classes() -> Tuple[Any, Any]:
             if func == data_getter:
                 data = disabled(func, types, args, kwargs)
                 return PlaceholderData(data, args[0], ()) if data.is_meta and SLOT in args[0].__dict__ else data
+            if func == data_setter:
+                before = args[0].dtype
+                result = disabled(func, types, args, kwargs)
+                if args[1].is_meta and args[1].dtype != before and SLOT in args[0].__dict__:
+                    _converted(args[0])  # Module._apply (.half(), .to(dtype) of any submodule) sets .data
+                return result
             name = getattr(func, "__name__", "")
             if name in _VIEWS or _is_write_call(name, kwargs):
                 placeholder = args[0] if args and type(args[0]) is cls else next(

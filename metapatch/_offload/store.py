@@ -486,7 +486,7 @@ def stood_in(base_layer: Any, device: Any, what: str) -> Iterator[None]:
     stand_ins = []
     for sub, store, name, tensor in placeholders:
         empty = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
-        store[name] = torch.nn.Parameter(empty, tensor.requires_grad) if type(tensor) is torch.nn.Parameter else empty
+        store[name] = torch.nn.Parameter(empty, tensor.requires_grad) if isinstance(tensor, torch.nn.Parameter) else empty
         stand_ins.append((store[name], store[name].data_ptr(), store[name]._version))
     try:
         yield
