@@ -84,7 +84,9 @@ PATCH = Patch(
           "(MarianMT's never-saved sinusoidal table): no KeyError at forward",
     # Every release in the window trusts a given offload_index for every disk-mapped tensor; measured
     # (selftest never-saved-table-on-disk): KeyError on transformers 4.57.1 / accelerate 1.10.0, 5.2.0 /
-    # 1.11.0, 5.11.0 / 1.13.0 and 5.24.0 / 1.15.0.
+    # 1.11.0, 5.7.0 / 1.13.0, 5.11.0 / 1.13.0, 5.24.0 / 1.15.0 and 5.25.0 / 1.16.0; new-head-from-base-checkpoint-on-disk (a
+    # missing key initialised at load, any architecture): KeyError on 5.7.0 / 1.13.0, 5.11.0 / 1.13.0 and
+    # 5.25.0 / 1.16.0.
     affects={"accelerate": ">=1.0"},
     targets=(
         Target("accelerate.big_modeling", "dispatch_model",

@@ -51,6 +51,41 @@ def never_saved_table_on_disk(workdir: Path) -> Dict[str, Any]:
     return {"max_abs_diff": 0.0}
 
 
+
+# A task head loaded over a base model's checkpoint: ``score`` is missing from it, transformers initialises it at
+# load (the model's _init_weights, on CPU, as in memory), and with its module on disk nothing writes it to the
+# offload index either. The mechanism is the missing key, not the architecture.
+_HEAD_MAP = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers": "cpu", "model.norm": "cpu",
+             "score": "disk"}
+
+
+def new_head_from_base_checkpoint_on_disk(workdir: Path) -> Dict[str, Any]:
+    """LlamaForSequenceClassification loaded over a LlamaModel checkpoint with its new ``score`` head on disk
+    (same seed before both loads): logits of two forwards equal the in-memory model's (torch.equal)."""
+    import torch
+    from transformers import LlamaForSequenceClassification, LlamaModel
+
+    from ._models import tiny_llama_config
+
+    torch.manual_seed(0)
+    LlamaModel(tiny_llama_config(pad_token_id=0)).save_pretrained(workdir / "ckpt")
+    torch.manual_seed(7)
+    reference = to_device(LlamaForSequenceClassification.from_pretrained(workdir / "ckpt", num_labels=3).eval())
+    device_map = {name: main_device() if device == "cpu" else device for name, device in _HEAD_MAP.items()}
+    torch.manual_seed(7)
+    loaded = LlamaForSequenceClassification.from_pretrained(workdir / "ckpt", num_labels=3, device_map=device_map,
+                                                            offload_folder=str(workdir / "offload")).eval()
+    if not loaded.score.weight.is_meta:
+        raise AssertionError("the device map was meant to put the new head on disk")
+    ids = device_input_ids(vocab_size=128, length=8)
+    with torch.no_grad():
+        expected = reference(input_ids=ids).logits
+        got = loaded(input_ids=ids).logits
+        again = loaded(input_ids=ids).logits
+    if not (torch.equal(got.cpu(), expected.cpu()) and torch.equal(again.cpu(), expected.cpu())):
+        raise AssertionError(f"logits differ: max abs diff {float((got.cpu() - expected.cpu()).abs().max())}")
+    return {"max_abs_diff": 0.0}
+
 SCENARIOS = [
     Scenario(PATCH_ID, "never-saved-table-on-disk", f"{__name__}:never_saved_table_on_disk",
              "MarianMTModel with its encoder's sinusoidal position embedding on disk: the table is never saved "
@@ -58,4 +93,9 @@ SCENARIOS = [
              "logits of two forwards equal the in-memory model (unpatched: KeyError "
              "'model.encoder.embed_positions.weight'). Found by the sweep",
              expected_error="KeyError", expected_message="embed_positions.weight"),
+    Scenario(PATCH_ID, "new-head-from-base-checkpoint-on-disk", f"{__name__}:new_head_from_base_checkpoint_on_disk",
+             "LlamaForSequenceClassification over a LlamaModel checkpoint with its new score head on disk: the head "
+             "is missing from the checkpoint and initialised at load, so the disk offload index has no entry for it; "
+             "logits of two forwards equal the in-memory model's, same seed (unpatched: KeyError 'score.weight')",
+             expected_error="KeyError", expected_message="score.weight", requires={"transformers": ">=5.7.0"}),
 ]

@@ -169,6 +169,65 @@ def prophetnet_decoder_on_disk(workdir: Path) -> Dict[str, Any]:
     return {"max_abs_diff": 0.0}
 
 
+# LongcatFlash's router computes its logits with F.linear(hidden, self.classifier.weight) instead of calling
+# self.classifier: with its decoder layer on disk, the classifier (an nn.Linear with its own offload hook) still
+# holds its meta placeholder there, and torch's CPU F.linear over a meta weight returns uninitialised memory
+# instead of raising (torch 2.13): random routing, logits off or NaN.
+_LONGCAT_MAP = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
+                "model.norm": "cpu", "lm_head": "cpu"}
+
+
+def longcat_router_on_disk(workdir: Path) -> Dict[str, Any]:
+    """LongcatFlashForCausalLM with its second decoder layer on disk: the router's direct read of its
+    classifier's weight gets the real weight; router logits and logits of two forwards equal the in-memory
+    model's (torch.equal)."""
+    import torch
+
+    try:
+        from transformers import LongcatFlashConfig, LongcatFlashForCausalLM
+    except ImportError as exc:
+        from . import NotApplicable
+
+        raise NotApplicable(f"needs LongcatFlashForCausalLM ({exc})") from None
+    config = LongcatFlashConfig(vocab_size=_VOCAB, hidden_size=32, num_layers=2, num_attention_heads=2,
+                                num_key_value_heads=2, ffn_hidden_size=64, q_lora_rank=16, kv_lora_rank=16,
+                                qk_nope_head_dim=16, qk_rope_head_dim=16, head_dim=16, v_head_dim=16,
+                                n_routed_experts=4, zero_expert_num=2, moe_topk=2, expert_ffn_hidden_size=32,
+                                max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    reference = LongcatFlashForCausalLM(config).eval()
+    reference.save_pretrained(workdir / "ckpt")
+    loaded = LongcatFlashForCausalLM.from_pretrained(workdir / "ckpt", device_map=_in_memory(_LONGCAT_MAP),
+                                                     offload_folder=str(workdir / "offload")).eval()
+    router = loaded.model.layers[1].mlp.router
+    if not router.classifier.weight.is_meta:
+        raise AssertionError("the device map was meant to put the second layer's router on disk")
+    reference = to_device(reference)
+    seen: Dict[str, Any] = {}
+
+    def keep_first(tag: str) -> Any:
+        def hook(module: Any, args: Any, out: Any) -> None:  # returns None: the output is left as it is
+            seen.setdefault(tag, out[0].detach().clone())
+        return hook
+
+    for tag, model in (("expected", reference), ("got", loaded)):
+        model.model.layers[1].mlp.router.register_forward_hook(keep_first(tag))
+    ids = device_input_ids(vocab_size=_VOCAB, length=8)
+    with torch.no_grad():
+        expected = reference(input_ids=ids).logits
+        got, again = loaded(input_ids=ids).logits, loaded(input_ids=ids).logits
+    nan = int(got.isnan().sum())
+    if not _equal(seen["got"], seen["expected"]):
+        raise AssertionError(f"router logits differ: max abs diff {max_abs_diff(seen['got'], seen['expected'])} "
+                             f"(logits max abs diff {max_abs_diff(got, expected)}, {nan} NaN of {got.numel()})")
+    if not (_equal(got, expected) and _equal(again, expected)):
+        raise AssertionError(f"logits differ: max abs diff {max(max_abs_diff(got, expected), max_abs_diff(again, expected))}, "
+                             f"{nan} NaN of {got.numel()}")
+    if not router.classifier.weight.is_meta:
+        raise AssertionError("the router's classifier stayed loaded after the forward")
+    return {"max_abs_diff": 0.0, "nan": nan}
+
+
 # ZayaModel's shape (the sweep found it): a base module with parameters of its own beside its children,
 # one of them mapped to disk under its own key, its sibling in memory.
 _SPLIT_MAP = {"model.scale": "disk", "model.bias": "cpu", "model.embed": "cpu", "model.layer": "cpu", "head": "cpu"}
@@ -309,6 +368,13 @@ SCENARIOS = [
              "own weight) outside those modules' forwards; logits equal the in-memory model (unpatched: "
              "RuntimeError 'Tensor on device meta is not on the expected device'). Found by the sweep",
              expected_error="RuntimeError", expected_message="Tensor on device meta is not on the expected device"),
+    Scenario(PATCH_ID, "longcat-router-on-disk", f"{__name__}:longcat_router_on_disk",
+             "LongcatFlashForCausalLM with its second decoder layer on disk: the router computes F.linear(hidden, "
+             "self.classifier.weight) outside the classifier's forward; router logits and logits of two forwards equal "
+             "the in-memory model (unpatched on CPU: no error, torch's F.linear over the meta placeholder returns "
+             "uninitialised memory, so the routing is random and the logits off or NaN). Found by the sweep",
+             expected_error="AssertionError", expected_message="router logits differ",
+             requires={"transformers": ">=5.7.0"}),
     Scenario(PATCH_ID, "own-parameter-mapped-alone-on-disk", f"{__name__}:own_tensor_mapped_alone",
              "a base module's own parameter mapped to disk under its own key beside a sibling on cpu (ZayaModel's "
              "input_hidden_states_scale, found by the sweep): accelerate hooks modules, so nothing loads it; logits "

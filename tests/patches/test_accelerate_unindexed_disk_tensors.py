@@ -1,5 +1,6 @@
 """accelerate-unindexed-disk-tensors: three-way proof on MarianMT with its never-saved sinusoidal table on
-disk (subprocesses, real from_pretrained with disk offload), and in-process checks on real
+disk and on a new classification head loaded over a base checkpoint (subprocesses, real from_pretrained with
+disk offload), and in-process checks on real
 ``from_pretrained(device_map=..., offload_folder=...)``: a missing tensor drawn at random is served as the
 in-memory model drew it, the offload folder and the working directory are left as they were, and nothing
 is looked at where no disk-mapped tensor is missing from the index."""
@@ -27,7 +28,7 @@ def test_affected_on_every_supported_accelerate():
 
 class TestThreeWay(ThreeWayCase):
     patch_ids = (PATCH.id,)
-    names = {PATCH.id: {"never-saved-table-on-disk"}}
+    names = {PATCH.id: {"never-saved-table-on-disk", "new-head-from-base-checkpoint-on-disk"}}
 
 
 def _random_extra_model_class():

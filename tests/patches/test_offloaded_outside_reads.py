@@ -26,7 +26,8 @@ def test_affected_on_every_supported_accelerate():
 class TestThreeWay(ThreeWayCase):
     patch_ids = (PATCH_ID,)
     names = {PATCH_ID: {"remote-code-reads-on-disk", "prophetnet-decoder-embeddings-on-disk",
-                        "own-parameter-mapped-alone-on-disk", "held-write-through-data-on-disk"}}
+                        "own-parameter-mapped-alone-on-disk", "held-write-through-data-on-disk",
+                        "longcat-router-on-disk"}}
 
 
 EMBEDDING_PATCHES = "gemma4-offloaded-embeddings,diffusion-gemma-offloaded-embeddings"
