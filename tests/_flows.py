@@ -445,12 +445,12 @@ def make_machine(inits: tuple = INITS):
                 self.adapters = [active]
 
         @precondition(lambda self: not self.done)
-        @rule(target=st.sampled_from(WRITE_TARGETS), kind=st.sampled_from(sorted(WRITES)))
-        def write(self, target: str, kind: str) -> None:
+        @rule(weight=st.sampled_from(WRITE_TARGETS), kind=st.sampled_from(sorted(WRITES)))
+        def write(self, weight: str, kind: str) -> None:
             """A write into one weight between forwards, as users make them (textual inversion's ``.data`` row,
             an init or a scaling under ``no_grad``, a row under ``inference_mode``): where the weight is offloaded
             it must reach the next forward (or be refused)."""
-            self._both(f"write {kind} into {target}", lambda m: WRITES[kind](_parameter(m, target)))
+            self._both(f"write {kind} into {weight}", lambda m: WRITES[kind](_parameter(m, weight)))
 
         @precondition(lambda self: not self.done)
         @rule(chain=st.sampled_from(["bf16-fp32", "half-float"]), scope=st.sampled_from(["model", "layers.1",
