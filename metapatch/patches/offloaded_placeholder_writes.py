@@ -21,7 +21,8 @@ through one Python call each (``benchmarks/RESULTS.md``).
 Not seen: writes into buffers (offloaded with ``offload_buffers=True``), into a tensor taken with
 ``.detach()`` from a placeholder, through ``split``/``unbind``/``chunk`` results, into 4-bit ``Params4bit``
 placeholders (their own class), or into placeholders of hooks attached before metapatch was imported until
-their next forward.
+their next forward. ``weight.set_(t)`` on the placeholder stays torch's own error (it refuses a meta tensor a
+CPU storage before any override sees the call).
 """
 
 from __future__ import annotations

@@ -149,6 +149,18 @@ def test_what_cannot_be_kept_raises_and_keeps_nothing(checkpoint, tmp_path, writ
 
 
 @in_range
+def test_set_on_the_placeholder_itself_stays_torchs_error(checkpoint, tmp_path):
+    """``weight.set_(t)`` re-points the parameter in memory; torch refuses it on a meta tensor before any Python
+    override can see it (``Tensor.set_`` is one of torch's functions without ``__torch_function__``): loud, as
+    upstream, nothing kept (README: not seen)."""
+    model = _load(checkpoint, tmp_path / "offload")
+    untouched = _logits(model)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="meta"):
+        model.lm_head.weight.set_(torch.zeros(128, 64))
+    assert torch.equal(_logits(model), untouched)
+
+
+@in_range
 def test_re_pointing_an_alias_leaves_the_weight_as_in_memory(checkpoint, tmp_path):
     """``weight.data.set_(t)`` / ``.data.t_()`` change the alias ``.data`` returned, not the parameter: in memory the
     weight keeps its value, and so does the offloaded one (nothing is kept)."""
