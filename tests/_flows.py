@@ -14,8 +14,9 @@ DoRA, IA3, LoHa) over random target modules, modules_to_save; set/delete/merge a
 embeddings; one optimizer step (SGD or AdamW, with or without gradient accumulation; full fine-tuning where
 there is no adapter: refused where a trainable parameter is offloaded); a write into one weight between forwards
 (a ``.data`` row or slice, an init or a scaling under ``no_grad``, a row under ``inference_mode``); a dtype round
-trip (bf16 or fp16 and back) of the model or of a submodule; save the adapter and reload it over a fresh base
-through ``PeftModel.from_pretrained`` or transformers' ``load_adapter``; generate.
+trip (bf16 or fp16 and back) of the model or of a submodule; ``save_pretrained`` of the whole model (every saved
+tensor equal); save the adapter and reload it over a fresh base through ``PeftModel.from_pretrained`` or
+transformers' ``load_adapter``; generate.
 
 The CI run is ``tests/test_flows.py`` (derandomized, a few examples). The long run, a command::
 
@@ -190,6 +191,7 @@ WRITES = {
     "no-grad-mul": _under("no_grad", lambda p: p.mul_(0.5)),
     "no-grad-init-zeros-row": _under("no_grad", lambda p: __import__("torch").nn.init.zeros_(p[2])),
     "inference-mode-fill-row": _under("inference_mode", lambda p: p[0].fill_(0.25)),
+    "data-assigned": lambda p: setattr(p, "data", __import__("torch").full(tuple(p.shape), 0.03)),
 }
 
 
@@ -469,6 +471,28 @@ def make_machine(inits: tuple = INITS):
 
             self._both(f"{chain} round trip of {scope}", round_trip)
 
+        @precondition(lambda self: not self.done and not self.peft)
+        @rule()
+        def save_model(self) -> None:
+            """``save_pretrained`` of the whole model: the offloaded side writes what the in-memory side writes
+            (every tensor equal, written or converted ones included), into the folder the flow names."""
+            import torch
+            from safetensors.torch import load_file
+
+            self.saves = getattr(self, "saves", 0) + 1
+
+            def save(model: Any) -> Dict[str, Any]:
+                folder = self.work / f"saved-{'ref' if model is self.ref else 'off'}-{self.saves}"
+                model.save_pretrained(folder)
+                return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+            pair = self._both("save_pretrained", save)
+            if pair is not None:
+                ref, off = pair
+                assert ref.keys() == off.keys(), sorted(set(ref) ^ set(off))
+                for key in ref:
+                    assert ref[key].dtype == off[key].dtype and torch.equal(ref[key], off[key]), f"saved {key} differs"
+
         @precondition(lambda self: not self.done)
         @rule()
         def generate(self) -> None:
@@ -491,7 +515,7 @@ def make_machine(inits: tuple = INITS):
             try:
                 assert _digests(self.checkpoint) == self.hashes, "the checkpoint's files changed"
                 written = sorted(p for p in os.listdir(work) if p not in self.listing)
-                named = [p for p in written if not (p.startswith("offload") or p.startswith("adapter"))]
+                named = [p for p in written if not p.startswith(("offload", "adapter", "saved"))]
                 assert not named, f"written outside the named folders: {named}"
                 ended = ("refused" if STATS["refused"] > self.counts["refused"] else "reference failed"
                          if STATS["reference_failed"] > self.counts["reference_failed"] else "ran")

@@ -203,6 +203,26 @@ def _converted(placeholder: Any) -> None:
     convert(hook, name, placeholder.dtype)
 
 
+def _assign(placeholder: Any, value: Any) -> None:
+    """``weight.data = value`` on a marked placeholder: in memory the parameter takes ``value``'s storage (it
+    aliases it); here ``value`` (a CPU tensor as it is, so later writes into it show as in memory; another device's
+    copied to CPU) is kept for the hook to serve. Another shape or dtype would change the parameter: refused."""
+    from metapatch._offload.store import overlay_of
+
+    module, name, hook = _owner(placeholder)
+    if value.shape != placeholder.shape or value.dtype != placeholder.dtype:
+        raise _error(f"metapatch: {_describe(module, name)}.data = a tensor of another shape or dtype "
+                     f"({tuple(value.shape)} {value.dtype}, the offloaded weight is {tuple(placeholder.shape)} "
+                     f"{placeholder.dtype}); the offload hook serves the placeholder's shape. Replace the module (or "
+                     f"keep it in memory with the device_map) instead.")
+    import torch
+
+    if value.is_inference():  # accelerate could not make a parameter of it at the next forward: a normal copy
+        with torch.inference_mode(False):
+            value = value.to("cpu", copy=True)
+    overlay_of(hook).kept[name] = value.detach() if value.device.type == "cpu" else value.detach().to("cpu")
+
+
 def _write(func: Any, args: tuple, kwargs: dict) -> Any:
     """Replay one aten write whose written argument is a :func:`placeholder_class` view on the stored
     values, and keep them."""
@@ -330,16 +350,20 @@ def _build_classes() -> Tuple[Any, Any]:
         @classmethod
         def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
             kwargs = kwargs or {}
-            if func == data_getter:
-                data = disabled(func, types, args, kwargs)
-                return PlaceholderData(data, args[0], ()) if data.is_meta and SLOT in args[0].__dict__ else data
+            name = getattr(func, "__name__", "")
+            if name == "__get__":  # attribute reads (accelerate reads shape, dtype, device at every load): one test
+                if func == data_getter:
+                    data = disabled(func, types, args, kwargs)
+                    return PlaceholderData(data, args[0], ()) if data.is_meta and SLOT in args[0].__dict__ else data
+                return disabled(func, types, args, kwargs)
             if func == data_setter:
+                if not args[1].is_meta and args[0].is_meta and SLOT in args[0].__dict__:
+                    return _assign(args[0], args[1])  # ``weight.data = t``: torch refuses meta <- cpu
                 before = args[0].dtype
                 result = disabled(func, types, args, kwargs)
                 if args[1].is_meta and args[1].dtype != before and SLOT in args[0].__dict__:
                     _converted(args[0])  # Module._apply (.half(), .to(dtype) of any submodule) sets .data
                 return result
-            name = getattr(func, "__name__", "")
             if name in _VIEWS or _is_write_call(name, kwargs):
                 placeholder = args[0] if args and type(args[0]) is cls else next(
                     (v for v in kwargs.values() if type(v) is cls), None)  # torch.nn.init passes tensor=...

@@ -83,6 +83,7 @@ WRITES = {
     "out-kwarg": lambda m: torch.mul(torch.ones(64), 3.0, out=m.model.layers[3].post_attention_layernorm.weight.data),
     "iadd-operator": lambda m: m.model.layers[1].self_attn.k_proj.weight.__iadd__(1.0),
     "chained": lambda m: m.lm_head.weight.mul_(0.5).add_(0.1),
+    "data-assigned": lambda m: setattr(m.model.layers[3].mlp.up_proj.weight, "data", torch.full((128, 64), 0.03)),
 }
 
 
@@ -146,6 +147,22 @@ def test_what_cannot_be_kept_raises_and_keeps_nothing(checkpoint, tmp_path, writ
             with torch.no_grad():
                 model.lm_head.weight.t_()  # the parameter itself (in memory the model would break)
     assert torch.equal(_logits(model), untouched)
+
+
+@in_range
+def test_data_assignment_aliases_the_value_as_in_memory_and_refuses_another_shape(checkpoint, tmp_path):
+    """``weight.data = t`` makes the parameter alias ``t`` in memory: a later write into ``t`` shows too. Upstream
+    torch refuses it on the placeholder ("incompatible tensor type"); another shape is refused here."""
+    reference = _load(checkpoint)
+    model = _load(checkpoint, tmp_path / "offload")
+    for m in (reference, model):
+        value = torch.full((128, 64), 0.03)
+        m.lm_head.weight.data = value
+        value[0] = 1.0  # through the alias
+    assert torch.equal(_logits(model), _logits(reference))
+    with pytest.raises(OffloadedWriteError, match="another shape or dtype"):
+        model.lm_head.weight.data = torch.zeros(3, 64)
+    assert torch.equal(_logits(model), _logits(reference))
 
 
 @in_range
