@@ -16,8 +16,8 @@ exactly the same values (``max_abs_diff`` 0.0). Declared in ``fsdp_rank_placehol
 training prepare of T5, whose embedding tie is that patch's bug).
 
 ``rankN_<flow>_early`` reports a forward before any prepare (equal, refused with ``MetapatchError``, or how far
-off): reported, not judged. Measured with metapatch on transformers 5.11.0 / accelerate 1.13.0, rank 1's T5
-(every tensor a zeros placeholder, none missing from the checkpoint) is not refused there: 4.8 off.
+off), for the tests to judge: on transformers 5.11.0 rank 1's T5 (every tensor a zeros placeholder, none missing
+from the checkpoint) answered 4.8 off before ``fsdp-rank-placeholders`` recorded replaced tensors too.
 """
 
 from __future__ import annotations
