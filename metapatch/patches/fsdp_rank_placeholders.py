@@ -16,7 +16,8 @@ recompute (remote-code rotary tables) differs between ranks (huggingface/transfo
 The fix, three wrappers:
 - ``PreTrainedModel._move_missing_keys_from_meta_to_device`` marks the model on every rank (the
   upstream FSDP condition, transformers' own ``is_fsdp_enabled``) and, on ranks != 0, records the
-  tensors it left as placeholders and adds a forward pre-hook that raises ``MetapatchError`` while
+  tensors it left as placeholders (those still on meta, and those it replaced: every tensor on 5.7-5.22,
+  whose zeros a model without missing keys, such as T5, otherwise used silently) and adds a forward pre-hook that raises ``MetapatchError`` while
   any of them is still in place: a placeholder is never used silently.
 - ``Accelerator.prepare_model(..., evaluation_mode=True)`` on a marked model broadcasts every
   parameter and buffer from rank 0 before preparing (a collective, like accelerate's own FSDP prepare).
@@ -52,9 +53,13 @@ def _move_missing_keys(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -
         return result
     from metapatch._offload.rank_sync import model_entries
 
-    before = [entry for entry in model_entries(instance) if _tensor(entry).is_meta]
+    # What upstream leaves on this rank in place of rank 0's values: the tensors still on meta when it is called
+    # (missing keys, non-persistent buffers) and those it replaces (transformers 5.7-5.22 put zeros in place of
+    # every parameter and buffer, the checkpoint's included).
+    before = [(entry, _tensor(entry)) for entry in model_entries(instance)]
     result = wrapped(*args, **kwargs)
-    placeholders = [(entry, _tensor(entry)) for entry in before]
+    placeholders = [(entry, _tensor(entry)) for entry, tensor in before
+                    if tensor.is_meta or _tensor(entry) is not tensor]
     setattr(instance, _LOADED, True)
     if placeholders:
         setattr(instance, _PLACEHOLDERS, placeholders)

@@ -1,7 +1,8 @@
 """Two-rank reproducers for tied embeddings through accelerate's FSDP2 prepare (gloo on CPU): a
 causal LM whose ``lm_head`` is its input embedding, and BART, whose ``shared`` embedding is also the
 encoder's and the decoder's ``embed_tokens`` and the ``lm_head``. Logits after prepare and after one
-SGD step on every rank are compared with one process's.
+SGD step on every rank are compared with one process's. T5 (the same tie) loaded in float16 and bfloat16
+through the same prepare is declared here too; its code is in ``_fsdp_loading_flows.py``.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import os
 from pathlib import Path
 from typing import Any, Dict, Tuple
 
+from ._fsdp_loading_flows import __name__ as _FLOWS_MODULE
 from ._harness import Scenario
 from ._models import input_ids, max_abs_diff, save_tiny_llama
 from ._ranks import GLOO_RANKS, FSDP_ENV, fsdp_accelerator, raise_first_error, run_ranks
@@ -123,5 +125,12 @@ SCENARIOS = [
              "gloo), one SGD step: every rank equals one process",
              expected_error="ValueError", expected_message=_SHARED, tolerance=_STEP_TOLERANCE, quick=True,
              # two-rank FSDP loading was measured from these releases on (other code variants below them)
+             requires={"accelerate": ">=1.13", "transformers": ">=5.7"}, **GLOO_RANKS),
+    Scenario(SHARED_EMBEDDINGS, "t5-half-precision-prepare", f"{_FLOWS_MODULE}:half_precision_train_ranks",
+             "T5 (shared/encoder/decoder embed_tokens/lm_head tie) loaded in bfloat16 and in float16 (wo kept in "
+             "float32) through accelerator.prepare with FSDP2 cpu_ram_efficient_loading (two ranks, gloo): bfloat16 "
+             "equals one process on every rank; float16 is refused by FSDP2 itself at the first forward (two dtypes "
+             "in one group), with and without metapatch",
+             expected_error="ValueError", expected_message=_SHARED, in_selftest=False,
              requires={"accelerate": ">=1.13", "transformers": ">=5.7"}, **GLOO_RANKS),
 ]

@@ -1,7 +1,9 @@
 """Two-rank reproducers for ``fsdp-rank-placeholders`` (accelerate FSDP2 with
 ``cpu_ram_efficient_loading``, gloo on CPU): a sequence-classification model whose new ``score``
 head only rank 0 initialises, prepared for evaluation and for training; every rank is compared with
-the single-process in-memory reference.
+the single-process in-memory reference. The loading flows of the offload patches (a head re-initialised at
+load, T5 in float16 with a float32 ``wo`` and in bfloat16) are declared here too; their code is in
+``_fsdp_loading_flows.py``.
 
 Each scenario builds a tiny checkpoint, computes the reference in this process (no process group),
 then runs the flow as two ranks with :func:`metapatch.selftest._ranks.run_ranks` and raises when a
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import Any, Dict
 
 from ._fsdp import compare_ranks
+from ._fsdp_loading_flows import __name__ as _FLOWS_MODULE
 from ._harness import Scenario
 from ._models import input_ids, max_abs_diff, save_tiny_llama
 from ._ranks import GLOO_RANKS, FSDP_ENV, fsdp_accelerator, raise_first_error, run_ranks
@@ -145,5 +148,13 @@ SCENARIOS = [
              "reloaded: equal to one process on every rank (must pass unpatched too)",
              in_selftest=False,
              # two-rank FSDP loading was measured from these releases on (other code variants below them)
+             requires={"transformers": ">=5.7", "accelerate": ">=1.13"}, **GLOO_RANKS),
+    Scenario(PLACEHOLDERS, "loading-flows-ranks", f"{_FLOWS_MODULE}:loading_flows_ranks",
+             "under FSDP2 cpu_ram_efficient_loading every rank's state dict and logits equal one process's: a "
+             "5-label checkpoint loaded with num_labels=2, ignore_mismatched_sizes=True (a head initialised at "
+             "load, same seed) after prepare_model(evaluation_mode=True) and after prepare(model, optimizer); T5 in "
+             "float16 (wo kept in float32) and in bfloat16 after prepare_model(evaluation_mode=True) (unpatched: "
+             "rank 1's new head is a placeholder after the evaluation prepare; T5 is right upstream from 5.23)",
+             expected_error="AssertionError", expected_message=r"rank 1 new-head after eval prepare", in_selftest=False,
              requires={"transformers": ">=5.7", "accelerate": ">=1.13"}, **GLOO_RANKS),
 ]
