@@ -55,6 +55,9 @@ _VIEWS = frozenset({"__getitem__", "select", "narrow", "view", "view_as", "resha
 def placeholder_class() -> Any:
     """The class of a marked placeholder (built on first use: torch is imported by then)."""
     if "placeholder" not in _CLASSES:
+        import torch
+
+        _CLASSES["parameter"] = torch.nn.Parameter
         _CLASSES["placeholder"], _CLASSES["data"] = _build_classes()
     return _CLASSES["placeholder"]
 
@@ -97,17 +100,14 @@ def mark(module: Any, hook: Any) -> None:
     """Mark the meta placeholders ``hook`` just put on ``module`` (after ``init_hook``/``post_forward``)."""
     if weights_map_of(hook) is None:
         return
-    import torch
-
-    parameter = torch.nn.Parameter
-    if getattr(hook, "place_submodules", False):
+    cls = _CLASSES.get("placeholder") or placeholder_class()
+    parameter = _CLASSES["parameter"]
+    if hook.place_submodules:
         items = [(name, p) for name, p in module.named_parameters()]
     else:
         items = list(module._parameters.items())
-    cls = None
     for name, param in items:
         if param is not None and type(param) is parameter and param.is_meta:
-            cls = cls or placeholder_class()
             param.__class__ = cls
             param.__dict__[SLOT] = (weakref.ref(module), name)
 
@@ -274,8 +274,8 @@ def _build_classes() -> Tuple[Any, Any]:
     from torch.utils._pytree import tree_map
 
     disabled = torch._C._disabled_torch_function_impl
-    data_getter = torch.Tensor.data.__get__
-    data_setter = torch.Tensor.data.__set__
+    data_getter = torch._C.TensorBase.data.__get__
+    data_setter = torch._C.TensorBase.data.__set__
 
     class PlaceholderData(torch.Tensor):
         """``placeholder.data`` (and views of it): the meta tensor upstream gives, whose writes are replayed on the
@@ -347,38 +347,46 @@ def _build_classes() -> Tuple[Any, Any]:
         def __reduce_ex__(self, protocol: Any) -> Any:
             return torch.nn.Parameter.__reduce_ex__(torch.nn.Parameter(self.detach(), self.requires_grad), protocol)
 
-        @classmethod
-        def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
-            kwargs = kwargs or {}
-            name = getattr(func, "__name__", "")
-            if name == "__get__":  # attribute reads (accelerate reads shape, dtype, device at every load): one test
-                if func == data_getter:
-                    data = disabled(func, types, args, kwargs)
-                    return PlaceholderData(data, args[0], ()) if data.is_meta and SLOT in args[0].__dict__ else data
-                return disabled(func, types, args, kwargs)
-            if func == data_setter:
-                if not args[1].is_meta and args[0].is_meta and SLOT in args[0].__dict__:
-                    return _assign(args[0], args[1])  # ``weight.data = t``: torch refuses meta <- cpu
-                before = args[0].dtype
-                result = disabled(func, types, args, kwargs)
-                if args[1].is_meta and args[1].dtype != before and SLOT in args[0].__dict__:
-                    _converted(args[0])  # Module._apply (.half(), .to(dtype) of any submodule) sets .data
-                return result
-            if name in _VIEWS or _is_write_call(name, kwargs):
-                placeholder = args[0] if args and type(args[0]) is cls else next(
-                    (v for v in kwargs.values() if type(v) is cls), None)  # torch.nn.init passes tensor=...
-                if placeholder is not None and SLOT in placeholder.__dict__ and placeholder.is_meta and not (
-                        placeholder.requires_grad and torch.is_grad_enabled()):  # that one is torch's error
-                    data = PlaceholderData(disabled(data_getter, types, (placeholder,), {}), placeholder, (),
-                                           itself=True)
-                    if args and args[0] is placeholder:
-                        args = (data, *args[1:])
-                    kwargs = {key: data if value is placeholder else value for key, value in kwargs.items()}
-                    args = _scalar_as_tensor(func, args)
-                    with torch._C.DisableTorchFunctionSubclass():
-                        result = func(*args, **kwargs)
-                    return placeholder if result is data else result
-            return disabled(func, types, args, kwargs)
+        # No __torch_function__: accelerate reads every placeholder's device, dtype, shape and data_ptr() as it
+        # loads it, and on a class with one each read is a call into Python (about 12 us, measured). ``.data`` and
+        # the writing and viewing methods are overridden instead (below); attribute reads stay torch's own.
+        @property
+        def data(self) -> Any:
+            data = data_getter(self)
+            return PlaceholderData(data, self, ()) if data.is_meta and SLOT in self.__dict__ else data
+
+        @data.setter
+        def data(self, value: Any) -> None:
+            if not value.is_meta and data_getter(self).is_meta and SLOT in self.__dict__:
+                _assign(self, value)  # ``weight.data = t``: torch refuses a meta tensor a CPU value
+                return
+            before = self.dtype
+            data_setter(self, value)
+            if value.is_meta and value.dtype != before and SLOT in self.__dict__:
+                _converted(self)  # Module._apply (.half(), .to(dtype) of any submodule) sets .data
+
+    def _redirected(name: str) -> Any:
+        """``OffloadedPlaceholder.<name>``: on a marked placeholder where torch allows the write (no autograd
+        recording it), the call runs on its :class:`PlaceholderData` (writes replayed into the store, views
+        carrying the rule); otherwise torch's own method."""
+        original = getattr(torch.Tensor, name)
+
+        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if SLOT in self.__dict__ and self.is_meta and not (self.requires_grad and torch.is_grad_enabled()):
+                data = PlaceholderData(data_getter(self), self, (), itself=True)
+                if name == "__setitem__":
+                    args = _scalar_as_tensor(original, (data, *args))[1:]
+                result = getattr(data, name)(*args, **kwargs)
+                return self if result is data else result
+            return original(self, *args, **kwargs)
+
+        method.__name__ = method.__qualname__ = name
+        return method
+
+    names = {name for name in dir(torch.Tensor) if _is_write_call(name, {}) or name in _VIEWS}
+    for name in sorted(names):
+        if callable(getattr(torch.Tensor, name, None)):
+            setattr(OffloadedPlaceholder, name, _redirected(name))
 
     return OffloadedPlaceholder, PlaceholderData
 

@@ -15,8 +15,9 @@ marked one is replayed on the stored value in CPU memory and kept in front of th
 (:mod:`metapatch._offload.placeholder_writes`; the user's offload folder is never written): equal to the
 in-memory model's write, and ``save_pretrained`` writes it. A write that cannot be kept (its source is itself a
 placeholder, it changes shape or dtype, the weight is tied to another module's) raises. Marking costs a class
-assignment per offloaded parameter and forward; accelerate's attribute reads of a marked placeholder go
-through one Python call each (``benchmarks/RESULTS.md``).
+assignment per offloaded parameter and forward; the marked class overrides ``.data`` and torch's writing and
+viewing methods only, so accelerate's attribute reads while loading stay torch's own (``benchmarks/RESULTS.md``).
+Not seen either: in-place *functions* given the placeholder (``torch.relu_(w)``, ``out=w``, ``torch._foreach_*``).
 
 Not seen: writes into buffers (offloaded with ``offload_buffers=True``), into a tensor taken with
 ``.detach()`` from a placeholder, through ``split``/``unbind``/``chunk`` results, into 4-bit ``Params4bit``
@@ -30,6 +31,7 @@ from __future__ import annotations
 from typing import Any
 
 from metapatch._framework.records import Patch, Target, Upstream
+from metapatch._offload.placeholder_writes import mark, note_ties
 from metapatch.patches._shared_targets import shared_fingerprints
 
 PATCH_ID = "offloaded-placeholder-writes"
@@ -42,8 +44,6 @@ def _module_of(args: tuple, kwargs: dict) -> Any:
 def _after_init_hook(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     if not getattr(instance, "offload", False):
         return wrapped(*args, **kwargs)
-    from metapatch._offload.placeholder_writes import mark, note_ties
-
     note_ties(_module_of(args, kwargs), instance)  # tied weights are one object until the hooks split them
     result = wrapped(*args, **kwargs)
     mark(_module_of(args, kwargs), instance)
@@ -52,10 +52,8 @@ def _after_init_hook(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> 
 
 def _after_post_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     result = wrapped(*args, **kwargs)
-    if instance.offload:
-        from metapatch._offload.placeholder_writes import mark
-
-        mark(_module_of(args, kwargs), instance)
+    if instance.offload:  # a per-forward path: the module is imported once, above (it imports no torch)
+        mark(args[0] if args else kwargs["module"], instance)
     return result
 
 
