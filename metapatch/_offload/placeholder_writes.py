@@ -34,6 +34,7 @@ from metapatch._framework.records import MetapatchError
 from metapatch._offload.hook_state import offload_hook, weights_map_of
 
 SLOT = "_metapatch_placeholder_of"  # in a marked placeholder's __dict__: (weakref to module, local dotted name)
+PARTNERS = "_metapatch_tie_partners"  # in a module's __dict__: {name: (weakref to the tied module, its name)}
 
 _CLASSES: Dict[str, Any] = {}
 
@@ -92,8 +93,18 @@ def note_ties(module: Any, hook: Any) -> None:
         if other is None:
             seen[tensor] = (weakref.ref(module), name)
         elif other is not module:
-            for owner, local in ((other, earlier[1]), (module, name)):
-                owner.__dict__[TIED_MARK] = frozenset(owner.__dict__.get(TIED_MARK, ())) | {local}
+            record_tie(other, earlier[1], module, name)
+
+
+def record_tie(module: Any, name: str, other: Any, other_name: str) -> None:
+    """``module.<name>`` and ``other.<other_name>`` are one tied weight served by two hooks: writes into either are
+    refused, and their placeholders are one object between forwards (:func:`mark`)."""
+    from metapatch._offload.store import TIED_MARK
+
+    for (owner, local), (partner, partner_name) in (((module, name), (other, other_name)),
+                                                   ((other, other_name), (module, name))):
+        owner.__dict__[TIED_MARK] = frozenset(owner.__dict__.get(TIED_MARK, ())) | {local}
+        owner.__dict__.setdefault(PARTNERS, {})[local] = (weakref.ref(partner), partner_name)
 
 
 def mark(module: Any, hook: Any) -> None:
@@ -110,6 +121,23 @@ def mark(module: Any, hook: Any) -> None:
         if param is not None and type(param) is parameter and param.is_meta:
             param.__class__ = cls
             param.__dict__[SLOT] = (weakref.ref(module), name)
+    partners = module.__dict__.get(PARTNERS)
+    if partners:
+        _share_tied_placeholders(module, partners, cls)
+
+
+def _share_tied_placeholders(module: Any, partners: Dict[str, Any], cls: Any) -> None:
+    """Tied weights are one object until their hooks split them (each ``post_forward`` puts a new placeholder in its
+    own module). While both are placeholders they are one object again, as after dispatch: transformers'
+    ``save_pretrained`` finds ties among offloaded tensors by that identity (split, it saves the tied head under both
+    names, and after a resize, whose kept tensors the tied hooks share, safetensors refuses the shared storage)."""
+    for name, (ref, other_name) in partners.items():
+        other = ref()
+        mine = module._parameters.get(name)
+        theirs = other._parameters.get(other_name) if other is not None else None
+        if type(mine) is cls and type(theirs) is cls and mine is not theirs and mine.shape == theirs.shape \
+                and mine.dtype == theirs.dtype:
+            module._parameters[name] = theirs
 
 
 # -- the write ------------------------------------------------------------------------------------

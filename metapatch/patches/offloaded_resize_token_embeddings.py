@@ -161,9 +161,12 @@ def _shared_tensors(modules: List[Any]) -> List[Tuple[Any, str, Any, str]]:
 
 
 def _share_again(shared: List[Tuple[Any, str, Any, str]]) -> None:
+    from metapatch._offload.placeholder_writes import record_tie
+
     for module, name, other, other_name in shared:
         if name in module._parameters:
             other._parameters[other_name] = module._parameters[name]
+            record_tie(module, name, other, other_name)  # kept one object after forwards split them
         else:
             other._buffers[other_name] = module._buffers[name]
 

@@ -287,3 +287,37 @@ def test_a_submodule_conversion_chain_keeps_its_lossy_step(checkpoint, tmp_path,
         CONVERSIONS[conversion](m)
     assert not torch.equal(_logits(reference), _logits(_load(checkpoint))), "the round trip changed nothing"
     assert torch.equal(_logits(model), _logits(reference))
+
+
+@in_range
+@pytest.mark.parametrize("resized", [False, True])
+def test_a_tied_offloaded_model_saves_as_in_memory_after_forwards(tmp_path, resized):
+    """Each post_forward splits tied placeholders into one per module; transformers' save_pretrained finds ties among
+    offloaded tensors by that identity. Split, it saved the tied head under both names, and after a resize (whose
+    kept tensor the two hooks share) safetensors refused the shared storage (RuntimeError "Some tensors share
+    memory"). The placeholders are one object again after every forward: the files hold what the in-memory model's
+    hold."""
+    from metapatch.selftest._models import input_ids, save_tiny_llama
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    checkpoint = save_tiny_llama(tmp_path / "tied", tie_word_embeddings=True)
+    device_map = {"model.rotary_emb": "cpu", "model.embed_tokens": "disk", "model.layers": "cpu", "model.norm": "cpu",
+                  "lm_head": "cpu"}
+    reference = LlamaForCausalLM.from_pretrained(checkpoint).eval()
+    model = LlamaForCausalLM.from_pretrained(checkpoint, device_map=device_map,
+                                             offload_folder=str(tmp_path / "offload")).eval()
+    for m in (reference, model):
+        if resized:
+            torch.manual_seed(0)
+            m.resize_token_embeddings(132)
+        with torch.no_grad():
+            m(input_ids())
+            m(input_ids())
+    saved = {}
+    for name, m in (("reference", reference), ("offloaded", model)):
+        m.save_pretrained(tmp_path / name)
+        saved[name] = load_file(tmp_path / name / "model.safetensors")
+    assert saved["offloaded"].keys() == saved["reference"].keys()
+    for key, value in saved["reference"].items():
+        assert torch.equal(saved["offloaded"][key], value), key
