@@ -127,20 +127,27 @@ def _dtype_flow(ctx: Dict[str, Any], helpers: Dict[str, Callable[..., Any]], dty
     if why:
         return {"status": "wrong", "detail": why}
     tokens = helpers["generate"](model, inputs)
-    if not bool((tokens == expected["tokens"]).all()) or tokens.shape != expected["tokens"].shape:
+    if tokens.shape != expected["tokens"].shape or not bool((tokens == expected["tokens"]).all()):
         return {"status": "wrong", "detail": f"generate gave {tokens.tolist()} != {expected['tokens'].tolist()}"}
     return {"status": "ok", "detail": "equal"}
+
+
+_SPECIAL = ("<pad>", "<s>", "</s>", "<unk>")
+
+
+def _word(i: int) -> str:
+    """Token ``i``'s word; the special tokens are not words of the others (an added token matches inside words)."""
+    return _SPECIAL[i] if i < len(_SPECIAL) else f"w{i}"
 
 
 def _tokenizer(vocab: int) -> Any:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    words = {f"w{i}": i for i in range(vocab)}
-    inner = Tokenizer(models.WordLevel(words, unk_token="w3"))
+    inner = Tokenizer(models.WordLevel({_word(i): i for i in range(vocab)}, unk_token="<unk>"))
     inner.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=inner, unk_token="w3", pad_token="w0", bos_token="w1",
-                                   eos_token="w2")
+    return PreTrainedTokenizerFast(tokenizer_object=inner, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
 
 
 def _start_token(config: Any) -> int:
@@ -172,7 +179,7 @@ def _pipeline_flow(ctx: Dict[str, Any], helpers: Dict[str, Callable[..., Any]]) 
     top = ctx["top"]
     if not top:
         raise NotApplicable("no top-level unit to put on disk")
-    text = " ".join(f"w{int(i)}" for i in ctx["inputs"]["input_ids"][0])
+    text = " ".join(_word(int(i)) for i in ctx["inputs"]["input_ids"][0])
     tokenizer = _tokenizer(min(max(ctx["vocab"], 8), 4096))
     options = dict(max_new_tokens=3, min_new_tokens=3, do_sample=False, num_beams=1, return_tensors=True)
 
