@@ -1,5 +1,5 @@
 """metapatch sweep: the CI sample (metapatch.sweep.SAMPLE, 6 architectures x 4 placements and 4 flows, both
-legs, ~80 s with two jobs on a loaded 2-core machine), plus the pure parts (placements of real module trees, the counts of the table)."""
+legs, 80-130 s with two jobs on a loaded 2-core machine), plus the pure parts (placements of real module trees, the counts of the table)."""
 
 from __future__ import annotations
 
