@@ -1,5 +1,5 @@
-"""metapatch sweep: the CI sample (metapatch.sweep.SAMPLE, 6 architectures x 4 placements, both legs, ~45 s
-with two jobs), plus the pure parts (placements of real module trees, the counts of the table)."""
+"""metapatch sweep: the CI sample (metapatch.sweep.SAMPLE, 6 architectures x 4 placements and 4 flows, both
+legs, 80-130 s with two jobs on a loaded 2-core machine), plus the pure parts (placements of real module trees, the counts of the table)."""
 
 from __future__ import annotations
 
@@ -45,6 +45,17 @@ def test_sample_sweep(tmp_path):
         for name, row in r["placements"].items() if row["status"] not in ("ok", "n/a")]
     assert counts["ok_upstream"] < counts["cells"]  # the sample does meet the bugs upstream
     assert render.counts_line(summary) in run.stdout
+    # The flows ran on every sample architecture (none skipped as n/a), none wrong or refused with metapatch.
+    flow_rows = {(arch, name): results[(arch, "patched")]["flows"][name] for arch in sweep.SAMPLE for name in render.FLOWS}
+    assert all(row["status"] == "ok" for row in flow_rows.values()), {
+        key: row for key, row in flow_rows.items() if row["status"] != "ok"}
+    assert counts["flow_cells"] == len(sweep.SAMPLE) * len(render.FLOWS) == counts["flow_ok_patched"], counts
+    assert counts.get("flow_regressions", 0) == counts.get("flow_wrong_patched", 0) == 0, counts
+    assert counts["flow_ok_upstream"] < counts["flow_cells"]  # and the flows' bugs upstream
+    # T5's float16 wo (_keep_in_fp32_modules) on disk: float16 upstream, float32 as in memory with metapatch
+    t5 = results[("T5ForConditionalGeneration", "unpatched")]["flows"]["float16"]
+    assert t5["status"] == "wrong" and "wo.weight is torch.float16" in t5["detail"], t5
+    assert render.flows_line(summary) in run.stdout
     for (arch, leg), result in results.items():  # the same model in both legs
         assert result["reference_sha"] == results[(arch, "unpatched")]["reference_sha"], arch
     assert _digest(docs) == before and sorted(p.name for p in tmp_path.iterdir()) == ["cache"]
@@ -52,8 +63,9 @@ def test_sample_sweep(tmp_path):
     assert f"{2 * len(sweep.SAMPLE)} cached, 0 to run" in again.stderr, again.stderr
 
 
-def _leg(placements, **extra):
-    return {"placements": {name: {"status": status} for name, status in placements.items()}, "wall_s": 1.0, **extra}
+def _leg(placements, flows=None, **extra):
+    return {"placements": {name: {"status": status} for name, status in placements.items()},
+            "flows": {name: {"status": status} for name, status in (flows or {}).items()}, "wall_s": 1.0, **extra}
 
 
 def test_counts_of_the_table():
@@ -74,7 +86,25 @@ def test_counts_of_the_table():
     assert c["regressions"] == 1 and c["wrong_patched"] == 1
     assert render.counts_line(summary).startswith("1 architectures x 4 placements (3 applicable cells): 2 work upstream, 2")
     text = render.markdown([("A", ""), ("B", ""), ("C", "")], results, {"transformers": "x"}, "metapatch sweep", 2.0)
-    assert "| A | fail / ok | ok / ok | **ok / WRONG** | n/a / n/a | 2 |" in text  # bold: not ok with metapatch
+    # bold: not ok with metapatch; flows this leg did not measure: -
+    assert "| A | fail / ok | ok / ok | **ok / WRONG** | n/a / n/a | - / - | - / - | - / - | - / - | 2 |" in text
+    assert c["flow_missing"] == len(render.FLOWS) and "flow_cells" not in c
+
+
+def test_flow_cells_are_counted_and_shown():
+    names, flows = render.PLACEMENTS, render.FLOWS
+    unpatched = _leg(dict.fromkeys(names, "ok"), dict(zip(flows, ["wrong", "error", "n/a", "ok"])))
+    patched = _leg(dict.fromkeys(names, "ok"), dict(zip(flows, ["ok", "ok", "n/a", "error"])))
+    unpatched["flows"][flows[2]]["detail"] = patched["flows"][flows[2]]["detail"] = "in memory: ValueError: x"
+    results = {("A", "unpatched"): unpatched, ("A", "patched"): patched}
+    summary = render.summarize([("A", "")], results)
+    c = summary["counts"]
+    assert (c["flow_cells"], c["flow_n/a"], c["flow_ok_upstream"], c["flow_ok_patched"]) == (3, 1, 1, 2)
+    assert c["flow_wrong_upstream"] == 1 and c["flow_regressions"] == 1 and render.regressions(summary) == 1
+    text = render.markdown([("A", "")], results, {"transformers": "x"}, "metapatch sweep", 2.0)
+    assert "| A | ok / ok | ok / ok | ok / ok | ok / ok | WRONG / ok | fail / ok | n/a / n/a | **ok / fail** | 2 |" in text
+    assert f"- 1 x `{flows[2]}`: in memory: ValueError: x: A" in text
+    assert "3 applicable cells, 1 work upstream, 2 with metapatch; 1 n/a" in render.flows_line(summary)
 
 
 def test_placements_of_real_module_trees():

@@ -93,14 +93,14 @@ def run(args: argparse.Namespace) -> int:
     total = sum(r.get("wall_s", 0) for r in results.values() if r)
     summary = render.summarize(shown, results)
     print(render.counts_line(summary))
+    print(render.flows_line(summary))
     print(f"run now: {time.perf_counter() - started:.0f} s; sum of per-leg wall times: {total:.0f} s")
     if output is not None:
         command = ("metapatch sweep --write" if args.write else f"metapatch sweep --output {output.name}") + (
             " --sample" if args.sample else "")
         output.write_text(render.markdown(shown, results, stack, command, total))
         print(f"wrote {output}", file=sys.stderr)
-    regressions = summary["counts"].get("regressions", 0) + summary["counts"].get("wrong_patched", 0)
-    return 1 if regressions else 0
+    return 1 if render.regressions(summary) else 0
 
 
 def _output_path(args: argparse.Namespace, repo):

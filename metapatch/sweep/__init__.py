@@ -78,11 +78,11 @@ def _digest(paths: List[Path]) -> str:
 
 
 def cache_keys() -> Dict[str, str]:
-    """What every cached leg must have been run with: the harness (child and placements) for both legs,
+    """What every cached leg must have been run with: the harness (child, flows and placements) for both legs,
     and for the patched leg also every module a patch can reach (not the CLI, survey, selftest or report
     tooling). The shrinking rules enter per architecture, through the config they make
     (:func:`arch_keys`): a rule that changes one architecture's config reruns that architecture only."""
-    harness = _digest([PACKAGE / name for name in ("child.py", "placements.py")])
+    harness = _digest([PACKAGE / name for name in ("child.py", "flows.py", "placements.py")])
     skip = {"sweep", "commands", "survey", "selftest", "reports"}
     patched = [p for p in (REPO / "metapatch").rglob("*.py")
                if p.relative_to(REPO / "metapatch").parts[0] not in skip]

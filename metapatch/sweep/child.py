@@ -4,7 +4,9 @@
 LEG ``unpatched`` runs with ``METAPATCH_DISABLE=all`` set by the parent and never imports
 metapatch's patches; ``patched`` imports metapatch before torch/transformers, as a user script
 does. Both build the same tiny random model (seed 0), save it, load it back in memory as the
-reference, then load it with each placement and compare logits and a short greedy ``generate``.
+reference, then load it with each placement and compare logits and a short greedy ``generate``;
+then the flows of metapatch.sweep.flows (float16/bfloat16 loads, a text-generation pipeline, a resized
+sequence-classification head), each over its own placement.
 """
 
 from __future__ import annotations
@@ -163,6 +165,14 @@ def run(class_name: str, model_type: str, leg: str, workdir: str) -> Dict[str, A
         row["seconds"] = round(time.perf_counter() - row_started, 2)
         result["placements"][name] = row
         _free(model)
+    from metapatch.sweep import flows
+
+    context = {"model_class": model_class, "model_type": model_type, "checkpoint": checkpoint, "workdir": workdir,
+               "inputs": inputs, "top": top, "layer_lists": layer_lists, "main": main, "dtype_kw": dtype_kw,
+               "dtype_key": next(iter(dtype_kw)), "config": shrink.tiny_config(CONFIG_MAPPING[model_type]),
+               "vocab": int(getattr(config.get_text_config(), "vocab_size", None) or 128)}
+    helpers = {"logits": _logits, "generate": _generate, "error": _error, "free": gc.collect}
+    result["flows"] = flows.run_all(context, helpers)
     result["seconds"] = round(time.perf_counter() - started, 2)
     return result
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any, Dict, List, Optional, Tuple
 
+from metapatch.sweep import flows as _flows
 from metapatch.sweep import placements as _placements
 
 PLACEMENTS = _placements.PLACEMENTS
+FLOWS = _flows.FLOWS
 _SHORT = {"ok": "ok", "wrong": "WRONG", "error": "fail", "n/a": "n/a", None: "-"}
 
 
@@ -49,19 +51,23 @@ def summarize(archs: List[Tuple[str, str]], results: Dict[Tuple[str, str], Optio
             broken.append((arch, failure))
             continue
         runnable.append(arch)
-        for name in PLACEMENTS:
-            before = _cell_state(legs["unpatched"]["placements"].get(name))
-            after = _cell_state(legs["patched"]["placements"].get(name))
-            if before == "n/a" or after == "n/a":
-                counts["n/a"] += 1
-                continue
-            counts["cells"] += 1
-            counts["ok_upstream"] += before == "ok"
-            counts["ok_patched"] += after == "ok"
-            counts["refused_patched"] += after == "refused"
-            counts["wrong_upstream"] += before == "wrong"
-            counts["wrong_patched"] += after == "wrong"
-            counts["regressions"] += before == "ok" and after != "ok"
+        for section, prefix, names in (("placements", "", PLACEMENTS), ("flows", "flow_", FLOWS)):
+            for name in names:
+                before = _cell_state(legs["unpatched"].get(section, {}).get(name))
+                after = _cell_state(legs["patched"].get(section, {}).get(name))
+                if before is None or after is None:  # a leg run before this column existed
+                    counts[prefix + "missing"] += 1
+                    continue
+                if before == "n/a" or after == "n/a":
+                    counts[prefix + "n/a"] += 1
+                    continue
+                counts[prefix + "cells"] += 1
+                counts[prefix + "ok_upstream"] += before == "ok"
+                counts[prefix + "ok_patched"] += after == "ok"
+                counts[prefix + "refused_patched"] += after == "refused"
+                counts[prefix + "wrong_upstream"] += before == "wrong"
+                counts[prefix + "wrong_patched"] += after == "wrong"
+                counts[prefix + "regressions"] += before == "ok" and after != "ok"
     return {"runnable": runnable, "broken": broken, "missing": missing, "counts": dict(counts)}
 
 
@@ -69,6 +75,18 @@ def counts_line(summary: Dict[str, Any]) -> str:
     c = summary["counts"]
     return (f"{len(summary['runnable'])} architectures x {len(PLACEMENTS)} placements ({c.get('cells', 0)} "
             f"applicable cells): {c.get('ok_upstream', 0)} work upstream, {c.get('ok_patched', 0)} with metapatch")
+
+
+def flows_line(summary: Dict[str, Any]) -> str:
+    c = summary["counts"]
+    return (f"flows ({', '.join(FLOWS)}): {c.get('flow_cells', 0)} applicable cells, {c.get('flow_ok_upstream', 0)} "
+            f"work upstream, {c.get('flow_ok_patched', 0)} with metapatch; {c.get('flow_n/a', 0)} n/a")
+
+
+def regressions(summary: Dict[str, Any]) -> int:
+    """Cells ok upstream but not with metapatch, and cells wrong with metapatch, placements and flows."""
+    c = summary["counts"]
+    return sum(c.get(prefix + key, 0) for prefix in ("", "flow_") for key in ("regressions", "wrong_patched"))
 
 
 def markdown(archs: List[Tuple[str, str]], results: Dict[Tuple[str, str], Optional[Dict[str, Any]]],
@@ -86,6 +104,12 @@ def markdown(archs: List[Tuple[str, str]], results: Dict[Tuple[str, str], Option
         f"with metapatch; ok upstream but not with metapatch: {c.get('regressions', 0)}. "
         f"{len(summary['broken'])} architectures do not build or run in memory (listed below), "
         f"{len(summary['missing'])} not run yet.",
+        "",
+        f"**Flows: {c.get('flow_cells', 0)} applicable cells ({len(FLOWS)} flows x {len(summary['runnable'])} "
+        f"architectures, {c.get('flow_n/a', 0)} n/a): {c.get('flow_ok_upstream', 0)} work upstream, "
+        f"{c.get('flow_ok_patched', 0)} with metapatch.** With metapatch {c.get('flow_refused_patched', 0)} more "
+        f"are refused; silently wrong: {c.get('flow_wrong_upstream', 0)} upstream, {c.get('flow_wrong_patched', 0)} "
+        f"with metapatch; ok upstream but not with metapatch: {c.get('flow_regressions', 0)}.",
         "",
         "Patched legs measured with metapatch code digest(s) "
         + ", ".join(sorted({str(r.get("key", "?")).partition("-")[2] for (a, leg), r in results.items()
@@ -106,18 +130,25 @@ def markdown(archs: List[Tuple[str, str]], results: Dict[Tuple[str, str], Option
         "",
     ]
     lines += [f"- `{name}`: {_placements.DESCRIPTIONS[name]}" for name in PLACEMENTS]
+    lines += ["", "Flows (`metapatch/sweep/flows.py`), each over one placement, compared with the same flow on the "
+              "in-memory model:", ""]
+    lines += [f"- `{name}`: {_flows.DESCRIPTIONS[name]}" for name in FLOWS]
     lines += ["", "Cells: unpatched / with metapatch; `ok` equal to the in-memory model, `fail` an error "
-              "(listed below), `WRONG` different numbers, `refused` a `MetapatchError`, `n/a` nothing to place.", ""]
-    lines.append("| architecture | " + " | ".join(PLACEMENTS) + " | wall s |")
-    lines.append("|---" * (len(PLACEMENTS) + 2) + "|")
+              "(listed below), `WRONG` different numbers, `refused` a `MetapatchError`, `n/a` nothing to place "
+              "(for a flow: the flow does not run in memory, listed below), `-` not measured.", ""]
+    lines.append("| architecture | " + " | ".join(PLACEMENTS + FLOWS) + " | wall s |")
+    lines.append("|---" * (len(PLACEMENTS) + len(FLOWS) + 2) + "|")
+    not_applicable: Dict[str, List[str]] = defaultdict(list)
     failures: Dict[Tuple[str, str], List[str]] = defaultdict(list)
     for arch in summary["runnable"]:
         unpatched, patched = results[(arch, "unpatched")], results[(arch, "patched")]
         cells = []
-        for name in PLACEMENTS:
-            before, after = unpatched["placements"].get(name), patched["placements"].get(name)
+        for section, name in [("placements", n) for n in PLACEMENTS] + [("flows", n) for n in FLOWS]:
+            before, after = unpatched.get(section, {}).get(name), patched.get(section, {}).get(name)
+            if section == "flows" and after and after["status"] == "n/a":
+                not_applicable[f"`{name}`: {after.get('detail', '')}"].append(arch)
             cell = f"{_SHORT.get(_cell_state(before), _cell_state(before))} / {_SHORT.get(_cell_state(after), _cell_state(after))}"
-            cells.append(f"**{cell}**" if _cell_state(after) not in ("ok", "n/a") else cell)
+            cells.append(f"**{cell}**" if _cell_state(after) not in ("ok", "n/a", None) else cell)
             for leg, row in (("unpatched", before), ("patched", after)):
                 if row and row["status"] not in ("ok", "n/a"):
                     failures[(leg, _error_text(row))].append(f"{arch} `{name}`")
@@ -127,6 +158,9 @@ def markdown(archs: List[Tuple[str, str]], results: Dict[Tuple[str, str], Option
         grouped = sorted(((len(v), k[1], v) for k, v in failures.items() if k[0] == leg), reverse=True)
         lines += ["", f"## Failures {leg} ({sum(n for n, _, _ in grouped)} cells)", ""]
         lines += [f"- {n} x `{text}`: {', '.join(where)}" for n, text, where in grouped] or ["- none"]
+    lines += ["", f"## Flows that do not run in memory ({sum(len(v) for v in not_applicable.values())} cells)", ""]
+    lines += [f"- {len(where)} x {reason}: {', '.join(where)}"
+              for reason, where in sorted(not_applicable.items(), key=lambda kv: (-len(kv[1]), kv[0]))] or ["- none"]
     lines += ["", f"## Architectures that do not build or run in memory ({len(summary['broken'])})", "",
               "Not meta-device bugs: the tiny config or the model itself fails without any offload.", ""]
     lines += [f"- {arch}: `{reason}`" for arch, reason in summary["broken"]] or ["- none"]

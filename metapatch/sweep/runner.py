@@ -109,6 +109,9 @@ def run_all(archs: List[Tuple[str, str]], keys: Dict[str, Dict[str, str]], stack
             states = [row.get("status", "?") for row in result.get("placements", {}).values()]
             summary = ("build/run failed" if not states
                        else ", ".join(f"{states.count(s)} {s}" for s in sorted(set(states))))
+            flow_states = [row.get("status", "?") for row in result.get("flows", {}).values()]
+            if flow_states:
+                summary += "; flows " + ", ".join(f"{flow_states.count(s)} {s}" for s in sorted(set(flow_states)))
             bar = "#" * int(20 * done / len(todo))
             log(f"[{bar:<20}] {done}/{len(todo)} {arch} {leg}: {summary} ({result['wall_s']:.0f} s) "
                 f"elapsed {_clock(elapsed)}, eta {_clock(eta)}")
