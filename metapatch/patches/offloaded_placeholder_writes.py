@@ -17,13 +17,12 @@ in-memory model's write, and ``save_pretrained`` writes it. A write that cannot 
 placeholder, it changes shape or dtype, the weight is tied to another module's) raises. Marking costs a class
 assignment per offloaded parameter and forward; the marked class overrides ``.data`` and torch's writing and
 viewing methods only, so accelerate's attribute reads while loading stay torch's own (``benchmarks/RESULTS.md``).
-Not seen either: in-place *functions* given the placeholder (``torch.relu_(w)``, ``out=w``, ``torch._foreach_*``).
 
 Not seen: writes into buffers (offloaded with ``offload_buffers=True``), into a tensor taken with
 ``.detach()`` from a placeholder, through ``split``/``unbind``/``chunk`` results, into 4-bit ``Params4bit``
 placeholders (their own class), or into placeholders of hooks attached before metapatch was imported until
-their next forward. ``weight.set_(t)`` on the placeholder stays torch's own error (it refuses a meta tensor a
-CPU storage before any override sees the call).
+their next forward; in-place *functions* given the placeholder (``torch.relu_(w)``, ``out=w``,
+``torch._foreach_*``): only methods are overridden.
 """
 
 from __future__ import annotations
