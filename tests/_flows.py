@@ -15,8 +15,8 @@ embeddings; one optimizer step (SGD or AdamW, with or without gradient accumulat
 there is no adapter: refused where a trainable parameter is offloaded); a write into one weight between forwards
 (a ``.data`` row or slice, an init or a scaling under ``no_grad``, a row under ``inference_mode``); a dtype round
 trip (bf16 or fp16 and back) of the model or of a submodule; ``save_pretrained`` of the whole model (every saved
-tensor equal); save the adapter and reload it over a fresh base through ``PeftModel.from_pretrained`` or
-transformers' ``load_adapter``; generate.
+tensor equal); PEFT's mixed model with a LoRA and a LoHa adapter both active; save the adapter and reload it over a
+fresh base through ``PeftModel.from_pretrained`` or transformers' ``load_adapter``; generate.
 
 The CI run is ``tests/test_flows.py`` (derandomized, a few examples). The long run, a command::
 
@@ -312,6 +312,32 @@ def make_machine(inits: tuple = INITS):
                 self.peft = self.peft or isinstance(self.ref, peft.PeftModel)
                 self.adapters.append(name)
                 self.kinds[name] = spec["kind"]
+
+        @precondition(lambda self: not self.done and not self.peft and not getattr(self.ref, "peft_config", None))
+        @rule(r=st.sampled_from([2, 4]))
+        def mixed_adapters(self, r: int) -> None:
+            """PEFT's mixed model (``get_peft_model(..., mixed=True)``): a LoRA and a LoHa adapter added and both
+            active. The mixed wrapper supports few of the other steps, so the flow compares logits and greedy tokens
+            here and ends."""
+            import peft
+            import torch
+
+            def mix(model: Any) -> Any:
+                mixed = peft.get_peft_model(model, peft.LoraConfig(target_modules=["q_proj", "v_proj"], r=r,
+                                                                   init_lora_weights=False),
+                                            adapter_name="m0", mixed=True)
+                mixed.add_adapter("m1", peft.LoHaConfig(target_modules=["o_proj", "down_proj"], r=r,
+                                                        init_weights=False))
+                mixed.set_adapter(["m0", "m1"])
+                return self._logits(mixed), mixed.generate(input_ids=self._ids(), max_new_tokens=3, do_sample=False)
+
+            pair = self._both(f"mixed LoRA + LoHa adapters (r={r})", mix)
+            if pair is not None:
+                (ref_logits, ref_tokens), (off_logits, off_tokens) = pair
+                assert torch.equal(ref_logits, off_logits), (
+                    f"mixed adapters: logits differ (max abs diff {(ref_logits - off_logits).abs().max().item():.3g})")
+                assert ref_tokens.tolist() == off_tokens.tolist()
+            self.done = True
 
         @precondition(lambda self: not self.done and len(self.adapters) > 1)
         @rule(data=st.data())
