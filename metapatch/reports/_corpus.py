@@ -223,6 +223,19 @@ REPORTS = (
            "weights through the same hooks; nothing is written.",
            _T + "resize_token_embeddings_offloaded", patch="offloaded-resize-token-embeddings",
            frames=("transformers.modeling_utils:PreTrainedModel.resize_token_embeddings",)),
+    Report("diffusers-3922-textual-inversion-sequential-offload", "https://github.com/huggingface/diffusers/issues/3922",
+           "enable_sequential_cpu_offload followed by load_textual_inversion does not handle placement of loaded weights",
+           "huggingface/diffusers", "Stable Diffusion 1.5 in fp16, diffusers of 2023-07",
+           "load_textual_inversion under accelerate.cpu_offload: resize_token_embeddings of the offloaded text encoder, "
+           "then the learned row written into the embedding's meta placeholder (weight.data[token_id] = embedding)",
+           "offloaded-placeholder-writes", (_ITEM, _NEED_VALUE, r"Trying to set a tensor of shape", _DIFFERS),
+           FIXED_BY_METAPATCH,
+           "offloaded-resize-token-embeddings resizes the offloaded embedding in memory, and offloaded-placeholder-writes "
+           "keeps the row written into its placeholder for the next forward (diffusers itself now removes the hooks "
+           "around the load).",
+           _T + "textual_inversion_under_sequential_offload", patch="offloaded-placeholder-writes",
+           extra_patches=("offloaded-resize-token-embeddings",),
+           frames=("transformers.modeling_utils:PreTrainedModel.resize_token_embeddings",)),
     Report("transformers-48409-gemma4-offloaded-embedding", "https://github.com/huggingface/transformers/pull/48409",
            "[Gemma4] Fix pad_embedding device mismatch with accelerate CPU offloading", "huggingface/transformers",
            "transformers main (2026-08)",

@@ -288,3 +288,34 @@ def qwen3_5_moe_meta_to_empty(workdir: Path) -> Dict[str, Any]:
         model.to_empty(device="cpu")
     model.load_state_dict(reference.state_dict())
     return {"max_abs_diff": assert_matches(logits(model.eval()), logits(reference), "Qwen3.5-MoE after meta + to_empty")}
+
+
+def textual_inversion_under_sequential_offload(workdir: Path) -> Dict[str, Any]:
+    """diffusers#3922: ``pipe.enable_sequential_cpu_offload()`` then ``pipe.load_textual_inversion(...)``. The
+    sequential offload is ``accelerate.cpu_offload`` on the text encoder (every weight a meta placeholder behind
+    accelerate's hooks); loading the embedding resizes the token embeddings and writes the learned row through
+    ``weight.data[token_id] = embedding``. The encoder's output for a prompt with the new token must equal the
+    in-memory encoder's after the same two steps."""
+    import accelerate
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    config = CLIPTextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, max_position_embeddings=32)
+    ckpt = cached(workdir, "clip-text", lambda p: save_random(CLIPTextModel, config, p))
+    learned = torch.linspace(-1.0, 1.0, 64)
+
+    def load_textual_inversion(encoder: Any) -> None:
+        encoder.resize_token_embeddings(129)
+        encoder.get_input_embeddings().weight.data[128] = learned
+
+    ids = torch.tensor([[1, 5, 128, 7, 2]])
+    reference = CLIPTextModel.from_pretrained(ckpt).eval()
+    load_textual_inversion(reference)
+    with torch.no_grad():
+        expected = reference(ids).last_hidden_state
+    encoder = CLIPTextModel.from_pretrained(ckpt).eval()
+    accelerate.cpu_offload(encoder, execution_device="cpu")
+    load_textual_inversion(encoder)
+    with torch.no_grad():
+        got = encoder(ids).last_hidden_state
+    return {"max_abs_diff": assert_matches(got, expected, "text encoder output after load_textual_inversion")}
