@@ -11,7 +11,9 @@ leaves every offloaded weight at its checkpoint value. Nothing says so.
 
 Here, when an optimizer takes a parameter group (``Optimizer.add_param_group``, which ``Optimizer.__init__`` calls),
 each trainable meta parameter that is at that moment a placeholder an accelerate offload hook serves is noted, by
-identity, with its name (the hooks attached through ``add_hook_to_module`` are recorded). A global optimizer step
+identity, with its name (the hooks attached through ``add_hook_to_module`` are recorded; a placeholder of a hook
+attached out of the recorder's sight, as transformers' ``resize_token_embeddings`` hangs the old head's hook on the
+new head, makes one search of the live modules). A global optimizer step
 pre-hook (torch's ``register_optimizer_step_pre_hook``, registered when the patch applies) checks each optimizer
 once (again when its parameter count changes) before its first step: a noted placeholder that requires a gradient
 and has none (or one still served at the step) makes the step raise :class:`OffloadedTrainingError` before
@@ -122,6 +124,9 @@ def _note_placeholders(params: List[Any]) -> None:
     if not meta:
         return
     by_id = _served_by_id()
+    if any(id(param) not in by_id for param in meta):
+        _scan_for_hooked_modules()  # a hook the recorder did not see (see _offloaded_in); once per new group
+        by_id = _served_by_id()
     noted = _noted()
     for param in meta:
         if id(param) in by_id:
@@ -135,7 +140,14 @@ def _offloaded_in(candidates: List[Any]) -> List[str]:
     names = [noted[p] for p in candidates if p in noted]
     if len(names) < len(candidates):
         by_id = _served_by_id()
-        names += [by_id[id(p)] for p in candidates if p not in noted and id(p) in by_id]
+        rest = [p for p in candidates if p not in noted]
+        if any(id(p) not in by_id for p in rest):
+            # A hook attached where the recorder did not see it (transformers' resize_token_embeddings builds a new
+            # head and hangs the old head's hook on it): looked for once per optimizer, only when such a candidate is
+            # left (a meta parameter without a gradient at its first step).
+            _scan_for_hooked_modules()
+            by_id = _served_by_id()
+        names += [by_id[id(p)] for p in rest if id(p) in by_id]
     return names
 
 

@@ -106,6 +106,20 @@ def test_an_optimizer_built_after_a_forward_is_refused_by_name(checkpoint, tmp_p
         optimizer.step()
 
 
+@in_range
+def test_a_head_resized_over_the_offload_is_refused_by_name(checkpoint, tmp_path):
+    """resize_token_embeddings builds a new head and hangs the old head's offload hook on it (transformers does it
+    without add_hook_to_module's recorder seeing it): the new head's placeholder is still found, and the step refused
+    (the flow tester found it silently untrained)."""
+    model = _load(checkpoint, tmp_path / "offload")
+    model.resize_token_embeddings(132, mean_resizing=False)
+    assert model.lm_head.weight.is_meta and model.lm_head.weight.requires_grad
+    optimizer = torch.optim.SGD([model.lm_head.weight, *model.model.layers[0].parameters()], lr=0.1)
+    _loss(model).backward()
+    with pytest.raises(MetapatchError, match=r"SGD\.step\(\) over 1 trainable parameter.*: lm_head\.weight\."):
+        optimizer.step()
+
+
 def _train_steps(model, params, steps=3):
     optimizer = torch.optim.AdamW(params, lr=1e-2)
     seen = []
