@@ -229,6 +229,13 @@ def _converted(placeholder: Any) -> None:
     except MetapatchError:
         return  # a placeholder nothing serves any more: nothing to convert
     convert(hook, name, placeholder.dtype)
+    # A tied weight is one object in memory (and one placeholder here, :func:`mark`): its partner's hook serves the
+    # same converted value.
+    ref, partner_name = module.__dict__.get(PARTNERS, {}).get(name, (None, ""))
+    partner = ref() if ref is not None else None
+    partner_hook = offload_hook(partner) if partner is not None else None
+    if partner_hook is not None and partner._parameters.get(partner_name) is placeholder:
+        convert(partner_hook, partner_name, placeholder.dtype)
 
 
 def _assign(placeholder: Any, value: Any) -> None:

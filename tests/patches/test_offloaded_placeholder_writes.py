@@ -321,3 +321,25 @@ def test_a_tied_offloaded_model_saves_as_in_memory_after_forwards(tmp_path, resi
     assert saved["offloaded"].keys() == saved["reference"].keys()
     for key, value in saved["reference"].items():
         assert torch.equal(saved["offloaded"][key], value), key
+
+
+@in_range
+@pytest.mark.parametrize("forward_first", [False, True])
+def test_a_round_trip_of_a_tied_offloaded_head_converts_both_hooks(tmp_path, forward_first):
+    """In memory a tied head and embedding are one parameter: ``lm_head.bfloat16().float()`` rounds the embedding too.
+    Offloaded, each is served by its own hook; the conversion reaches both (found by the flow tester: 0.000978 off)."""
+    from metapatch.selftest._models import input_ids, save_tiny_llama
+    from transformers import LlamaForCausalLM
+
+    checkpoint = save_tiny_llama(tmp_path / "tied", tie_word_embeddings=True)
+    device_map = {"model.rotary_emb": "cpu", "model.embed_tokens": "disk", "model.layers": "cpu", "model.norm": "cpu",
+                  "lm_head": "cpu"}
+    reference = LlamaForCausalLM.from_pretrained(checkpoint).eval()
+    model = LlamaForCausalLM.from_pretrained(checkpoint, device_map=device_map,
+                                             offload_folder=str(tmp_path / "offload")).eval()
+    for m in (reference, model):
+        if forward_first:
+            _logits(m)
+        m.lm_head.bfloat16().float()
+    assert not torch.equal(_logits(reference), _logits(LlamaForCausalLM.from_pretrained(checkpoint).eval()))
+    assert torch.equal(_logits(model), _logits(reference))
