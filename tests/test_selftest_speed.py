@@ -186,6 +186,9 @@ def test_a_child_of_the_preloaded_parent_sees_the_patches_as_a_fresh_interpreter
     before it forks a child: every patch site, and every module that holds a patched original by name,
     must be what a fresh interpreter gets when its run imports the same modules after metapatch."""
     pytest.importorskip("transformers")
+    # Tests run before this one in the same worker may have started preloaded parents for other environments up to
+    # the harness's cap (the three-way files' runs): room for this environment's own, as `metapatch selftest` has.
+    monkeypatch.setattr(_harness, "_MAX_PRELOADED", len(_harness._STARTING) + 2)
     forked = _harness.run_scenario(PROBE, patched=patched, timeout=300)
     assert any(p is not None and "transformers" in p.preloaded  # the preloaded kind served it
                for k, p in _harness._PARENTS.items() if k != "torch" and (("METAPATCH_DISABLE", "all") in k) != patched)
