@@ -63,10 +63,6 @@ def placeholder_class() -> Any:
     return _CLASSES["placeholder"]
 
 
-def is_placeholder(tensor: Any) -> bool:
-    return "placeholder" in _CLASSES and type(tensor) is _CLASSES["placeholder"]
-
-
 _SEEN: List[Any] = []  # [WeakIdKeyDictionary: tensor -> (weakref to module, name)], built on first use
 
 
@@ -78,8 +74,6 @@ def note_ties(module: Any, hook: Any) -> None:
     if not getattr(hook, "offload", False):
         return
     from torch.utils.weak import WeakIdKeyDictionary
-
-    from metapatch._offload.store import TIED_MARK
 
     if not _SEEN:
         _SEEN.append(WeakIdKeyDictionary())
@@ -267,7 +261,6 @@ def _write(func: Any, args: tuple, kwargs: dict) -> Any:
     data_cls = _CLASSES["data"]
     reshaping = func._schema.name.split("::")[-1] in _RESHAPING
     store = _Materialised()
-    devices: List[Any] = []
 
     def real(value: Any) -> Any:
         if isinstance(value, data_cls):
@@ -280,7 +273,6 @@ def _write(func: Any, args: tuple, kwargs: dict) -> Any:
                 raise _error("metapatch: a write into an offloaded weight's placeholder from a tensor on the meta "
                              "device (itself a placeholder, or computed from one): its values are unknown here. "
                              "Read the value inside a forward, or from the in-memory model.")
-            devices.append(value.device)
             return value.to("cpu") if value.device.type != "cpu" and value.dim() > 0 else value
         return value
 
@@ -418,7 +410,7 @@ def _build_classes() -> Tuple[Any, Any]:
         method.__name__ = method.__qualname__ = name
         return method
 
-    names = {name for name in dir(torch.Tensor) if _is_write_call(name, {}) or name in _VIEWS}
+    names = {name for name in dir(torch.Tensor) if _is_write_method(name) or name in _VIEWS}
     for name in sorted(names):
         if callable(getattr(torch.Tensor, name, None)):
             setattr(OffloadedPlaceholder, name, _redirected(name))
@@ -426,8 +418,9 @@ def _build_classes() -> Tuple[Any, Any]:
     return OffloadedPlaceholder, PlaceholderData
 
 
-def _is_write_call(name: str, kwargs: dict) -> bool:
-    if name == "__setitem__" or "out" in kwargs:
+def _is_write_method(name: str) -> bool:
+    """Whether ``torch.Tensor.<name>`` writes its tensor's values (``__setitem__``, ``__iadd__``..., ``mul_``...)."""
+    if name == "__setitem__":
         return True
     if name.startswith("__i") and name.endswith("__"):  # __iadd__, __imul__, ...
         return name not in ("__init__", "__index__", "__invert__", "__iter__")

@@ -289,16 +289,9 @@ def test_a_submodule_conversion_chain_keeps_its_lossy_step(checkpoint, tmp_path,
     assert torch.equal(_logits(model), _logits(reference))
 
 
-@in_range
-@pytest.mark.parametrize("resized", [False, True])
-def test_a_tied_offloaded_model_saves_as_in_memory_after_forwards(tmp_path, resized):
-    """Each post_forward splits tied placeholders into one per module; transformers' save_pretrained finds ties among
-    offloaded tensors by that identity. Split, it saved the tied head under both names, and after a resize (whose
-    kept tensor the two hooks share) safetensors refused the shared storage (RuntimeError "Some tensors share
-    memory"). The placeholders are one object again after every forward: the files hold what the in-memory model's
-    hold."""
-    from metapatch.selftest._models import input_ids, save_tiny_llama
-    from safetensors.torch import load_file
+def _tied_pair(tmp_path):
+    """A tied tiny Llama: in memory, and with the embedding on disk (metapatch's tie patch puts the head with it)."""
+    from metapatch.selftest._models import save_tiny_llama
     from transformers import LlamaForCausalLM
 
     checkpoint = save_tiny_llama(tmp_path / "tied", tie_word_embeddings=True)
@@ -307,6 +300,21 @@ def test_a_tied_offloaded_model_saves_as_in_memory_after_forwards(tmp_path, resi
     reference = LlamaForCausalLM.from_pretrained(checkpoint).eval()
     model = LlamaForCausalLM.from_pretrained(checkpoint, device_map=device_map,
                                              offload_folder=str(tmp_path / "offload")).eval()
+    return checkpoint, reference, model
+
+
+@in_range
+@pytest.mark.parametrize("resized", [False, True])
+def test_a_tied_offloaded_model_saves_as_in_memory_after_forwards(tmp_path, resized):
+    """Each post_forward splits tied placeholders into one per module; transformers' save_pretrained finds ties among
+    offloaded tensors by that identity. Split, it saved the tied head under both names, and after a resize (whose
+    kept tensor the two hooks share) safetensors refused the shared storage (RuntimeError "Some tensors share
+    memory"). The placeholders are one object again after every forward: the files hold what the in-memory model's
+    hold."""
+    from metapatch.selftest._models import input_ids
+    from safetensors.torch import load_file
+
+    checkpoint, reference, model = _tied_pair(tmp_path)
     for m in (reference, model):
         if resized:
             torch.manual_seed(0)
@@ -328,15 +336,9 @@ def test_a_tied_offloaded_model_saves_as_in_memory_after_forwards(tmp_path, resi
 def test_a_round_trip_of_a_tied_offloaded_head_converts_both_hooks(tmp_path, forward_first):
     """In memory a tied head and embedding are one parameter: ``lm_head.bfloat16().float()`` rounds the embedding too.
     Offloaded, each is served by its own hook; the conversion reaches both (found by the flow tester: 0.000978 off)."""
-    from metapatch.selftest._models import input_ids, save_tiny_llama
     from transformers import LlamaForCausalLM
 
-    checkpoint = save_tiny_llama(tmp_path / "tied", tie_word_embeddings=True)
-    device_map = {"model.rotary_emb": "cpu", "model.embed_tokens": "disk", "model.layers": "cpu", "model.norm": "cpu",
-                  "lm_head": "cpu"}
-    reference = LlamaForCausalLM.from_pretrained(checkpoint).eval()
-    model = LlamaForCausalLM.from_pretrained(checkpoint, device_map=device_map,
-                                             offload_folder=str(tmp_path / "offload")).eval()
+    checkpoint, reference, model = _tied_pair(tmp_path)
     for m in (reference, model):
         if forward_first:
             _logits(m)
