@@ -143,7 +143,8 @@ def standalone_reproducer(diff: Any) -> Optional[Path]:
 
 
 def reproducer_fields(source: str) -> dict:
-    """``Scenario:`` and ``Fails with:`` lines of a reproducer's docstring."""
+    """``Scenario:``, ``Fails with:`` and ``Affected:`` lines of a reproducer's docstring. ``Fails with`` names
+    an error class, or alternatives by release (``ValueError|AssertionError``): :func:`failure_classes`."""
     doc = ast.get_docstring(ast.parse(source)) or ""
     fields = {}
     for key in ("Scenario", "Fails with", "Affected"):
@@ -151,6 +152,11 @@ def reproducer_fields(source: str) -> dict:
         if match:
             fields[key] = match.group(1).strip()
     return fields
+
+
+def failure_classes(fields: dict) -> list:
+    """The error classes a reproducer's ``Fails with:`` allows (one, or ``|``-separated alternatives)."""
+    return [name.strip() for name in fields.get("Fails with", "").split("|") if name.strip()]
 
 
 def _repository_of(diff: Any) -> Optional[str]:
@@ -199,7 +205,9 @@ def pr_body(patch: Any, diff: Any, test_ids: Optional[List[str]] = None, report:
         source = standalone.read_text()
         fields = reproducer_fields(source)
         lines.append("Needs only the packages this PR touches (and torch); it builds a tiny random model."
-                     + (f" Without the fix it fails with `{fields['Fails with']}`." if fields.get("Fails with") else ""))
+                     + (" Without the fix it fails with " + " or ".join(f"`{name}`" for name in failure_classes(fields))
+                        + " (depending on the release)" * (len(failure_classes(fields)) > 1) + "."
+                        if fields.get("Fails with") else ""))
         lines += ["", "```python", source.rstrip(), "```", ""]
     else:
         reproducer, scenarios = _reproducer(patch)

@@ -12,16 +12,6 @@ from metapatch.selftest import run_scenario
 from _three_way import ThreeWayCase  # tests/patches/_three_way.py
 
 
-def fixed_upstream_here(scenario):
-    """A scenario whose own bug an upstream release inside the patch's range already fixed: the
-    tied causal LM on accelerate 1.15 (huggingface/accelerate#4171; BART's tie is still open there)."""
-    from importlib.metadata import version
-
-    from packaging.version import Version
-
-    return scenario.name == "tied-causal-lm" and Version(version("accelerate")) >= Version("1.15")
-
-
 def claimed(scenario) -> None:
     affected, why, _, _ = metapatch.registry.gate(metapatch.registry.patches[scenario.patch_id])
     if not affected:
@@ -36,9 +26,6 @@ class FsdpThreeWay(ThreeWayCase):
         return [s for s in super().scenarios() if s.expected_error]  # train-step-new-head: its own test
 
     def test_unpatched(self, runs, scenario):
-        if fixed_upstream_here(scenario):
-            pytest.skip("accelerate >= 1.15 groups the input and output embeddings itself (#4171); "
-                        "test_patched still runs it")
         claimed(scenario)
         super().test_unpatched(runs, scenario)
 
