@@ -33,6 +33,13 @@ SUPPORT_WINDOW = {
     "bitsandbytes": ">=0.46.0,<1",
     "gguf": ">=0.10.0,<1",  # llama.cpp's gguf-py, for the converter patch (`metapatch run`)
 }
+# Distributions whose releases the survey reads but never installs: each release's wheel is read where it
+# lies (HTTP range requests, only the targets' modules) for the fingerprints of the objects patched there,
+# and no reproducer runs on it (a torch wheel is gigabytes, a CUDA build per release). Behaviour is measured
+# on the torch the suite pins (COMMON["torch"]) and by `metapatch selftest` on the user's own. Not a gate:
+# where a release's code differs, the target's fingerprints make the patch stale there. torch 2.4 has no
+# ``Module.mtia`` (offloaded-move-guard patches it), so the window starts at 2.5.
+READ_ONLY_WINDOW = {"torch": ">=2.5,<3"}
 PYTHON_WINDOW = ">=3.9,<3.14"  # the framework and CLI; the heavy stack where its wheels exist
 
 # Stacks between and before the matrix pairs that CI checks with a short gate (strict

@@ -161,6 +161,70 @@ def test_check_catches_a_record_that_disagrees():
     assert "fingerprint bbbb" in found and "goes stale" in found  # 3.0 inside affects, code not accepted
 
 
+def test_a_read_only_distribution_is_checked_on_every_release_and_never_run(monkeypatch):
+    """torch's releases are read, not installed: a target there must accept every release's code whatever the
+    patch's ranges (a patch that applies on any torch goes stale on one it does not accept), and --run skips it."""
+    from metapatch.survey import plan
+
+    target = metapatch.Target("torch.mod", "f", ("aaaa",), wrapper=lambda *a: None)
+    patch = metapatch.Patch("synthetic", "t", {"accelerate": ">=1.0"}, (target,))
+    rows = variants.group(["2.5", "2.6"], {"2.5": {"torch.mod:f": "aaaa"}, "2.6": {"torch.mod:f": "bbbb"}})
+    section = {"window": ">=2.5", "read_only": True, "targets": ["torch.mod:f"], "releases": ["2.5", "2.6"],
+               "rows": rows}
+    found = "\n".join(check.problems(patch, {"patch": "synthetic", "distributions": {"torch": section}}))
+    assert "torch 2.6 has fingerprint bbbb, not in the record" in found and "2.5" not in found
+
+    measured = []
+    monkeypatch.setattr(plan, "run_row", lambda *a, **k: measured.append(a) or [])
+    plan.run_table({"distributions": {"torch": section}}, patch, 1, 1.0, [], log=lambda line: None)
+    assert measured == [] and section["rows"] == rows
+
+
+def test_a_remote_wheel_is_read_by_range_requests(tmp_path):
+    """The survey reads a module out of a torch wheel without downloading it: only the central directory and
+    the member's bytes travel (a local server that honours Range and counts the bytes it sends)."""
+    import http.server
+    import threading
+    import zipfile
+
+    from metapatch.survey import releases
+
+    wheel = tmp_path / "pkg-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr("pkg/mod.py", "def f():\n    return 1\n")
+        zf.writestr("pkg/big.bin", os.urandom(3 << 20), compress_type=zipfile.ZIP_STORED)
+    data, sent = wheel.read_bytes(), []
+
+    class Ranges(http.server.BaseHTTPRequestHandler):
+        def do_HEAD(self):
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+
+        def do_GET(self):
+            start, end = (int(x) for x in self.headers["Range"].split("=")[1].split("-"))
+            body = data[start:end + 1]
+            sent.append(len(body))
+            self.send_response(206)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Ranges)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        remote = releases.RemoteWheel(f"http://127.0.0.1:{server.server_port}/{wheel.name}", wheel.name)
+        assert static.read_module_from_archive(remote, "pkg.mod") == "def f():\n    return 1\n"
+        assert static.fingerprints(lambda m: static.read_module_from_archive(remote, m), ["pkg.mod:f"]) == \
+            static.fingerprints(lambda m: static.read_module_from_archive(wheel, m), ["pkg.mod:f"])
+    finally:
+        server.shutdown()
+    assert sum(sent) < len(data) / 4, (sum(sent), len(data))  # not the 3 MiB member
+
+
 def _run(bug: str) -> dict:
     return {"pins": {}, "bug": bug, "error": "E" if bug == "yes" else "", "patched": "pass", "diff": "no diff",
             "fixed": ["s"] if bug == "yes" else []}

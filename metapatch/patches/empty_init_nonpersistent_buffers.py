@@ -139,7 +139,8 @@ PATCH = Patch(
                              "dcbb5bea19947c22"),  # accelerate 1.13.0 - 1.15.0
                wrapper=_init_on_device, aliases=("accelerate:init_on_device",)),
         Target("torch.nn.modules.module", "Module.to_empty",
-               fingerprints=("621cbc22b7052a8d",),  # torch 2.13.0
+               fingerprints=("b7b5b22579c68e11", "d558d18541a90006", "621cbc22b7052a8d"),  # torch 2.5-2.7, 2.8-2.9,
+               # 2.10-2.15 (read from every release's wheel): annotations and line breaks only
                wrapper=_to_empty),
         Target("accelerate.utils.modeling", "load_checkpoint_in_model",
                fingerprints=shared_fingerprints("accelerate.utils.modeling:load_checkpoint_in_model"),

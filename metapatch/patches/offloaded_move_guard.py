@@ -265,14 +265,16 @@ def _call_args(args: tuple, kwargs: dict) -> str:
 
 _MODULE = "torch.nn.modules.module"
 _FINGERPRINTS = {
-    # torch 2.13.0 (the only torch metapatch is tested with), the same with every accelerate and
-    # transformers release measured above
-    "to": ("d370dbc824384755",),
-    "cuda": ("5717f31067ea014b",),
-    "cpu": ("5f2d30e3d3ed02a5",),
-    "xpu": ("d0bc827a24b4ad12",),
-    "ipu": ("11bb7e5336831f03",),
-    "mtia": ("30bc47bf1b0766bd",),
+    # torch 2.5-2.7, 2.8-2.9, 2.10-2.14 and 2.15 (read from every release's wheel; `to` is the same in
+    # 2.5-2.9): the differences are annotations (``self: T -> T`` to ``Self``, ``Optional`` to ``|``), a
+    # warning's stacklevel and, in 2.15, the wording of the meta-tensor error ``to`` re-raises; the guard
+    # calls the original unchanged. Runs: torch 2.11.0, 2.13.0, 2.14.1 (selftest --all, CPU).
+    "to": ("3440abf713e8cb18", "d370dbc824384755", "2283ae7937624f2d"),
+    "cuda": ("24e8c8a2c57d39d7", "d846f94d0d86f174", "5717f31067ea014b"),
+    "cpu": ("52869d7262262951", "5f2d30e3d3ed02a5"),
+    "xpu": ("40b9eb2b39f265ab", "72078602a2ad80f0", "d0bc827a24b4ad12"),
+    "ipu": ("6deb11a2f96e9bce", "c5ff5400f04ffbbc", "11bb7e5336831f03"),
+    "mtia": ("f404dcd21cd6ac6a", "6315b7587d736f85", "30bc47bf1b0766bd"),
 }
 _DEVICES = {
     "to": _to_device,

@@ -229,7 +229,10 @@ PATCH = Patch(
                fingerprints=("a9b520badac922b7",),  # accelerate 1.13.0, 1.15.0, 1.16.0 (read from each release)
                replacement=_recording),
         Target("torch.optim.optimizer", "Optimizer.add_param_group",
-               fingerprints=("6460aa1b3890d5ee",),  # torch 2.13.0
+               # torch 2.5-2.5.1, 2.6, 2.7-2.13, 2.14-2.15 (read from every release's wheel): 2.6 adds named
+               # parameters, the rest are annotations; after the call every version's group holds plain tensors,
+               # which is all the wrapper reads. Runs: 2.11.0, 2.13.0, 2.14.1 (selftest --all, CPU).
+               fingerprints=("ae38374cfcc9bc26", "94008ee5b51f3e96", "6460aa1b3890d5ee", "af6056fb81f6bc5b"),
                wrapper=_add_param_group),
     ),
     upstream=Upstream(

@@ -9,6 +9,8 @@ For each target distribution inside the support window:
 * a row measured ``affected`` (the bug reproduced, the forced patch fixed it) must lie inside
   ``affects`` and its fingerprints must be in the record; a row measured ``not-affected`` must lie
   outside ``affects``.
+For a distribution read but never installed (torch's read-only window) or outside every window, each
+release's fingerprint of each target must be in the record.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def _span(releases: List[str]) -> str:
 def problems(patch: Any, table: Dict[str, Any]) -> List[str]:
     out: List[str] = []
     for dist, section in sorted(table["distributions"].items()):
-        if section.get("window") is None:
+        if section.get("window") is None or section.get("read_only"):
             out += _fingerprints_only(patch, dist, section)
             continue
         spec = patch.affects.get(dist)
@@ -84,7 +86,8 @@ def _row_problems(patch: Any, dist: str, spec: Any, row: Dict[str, Any], fps_by_
 
 
 def _fingerprints_only(patch: Any, dist: str, section: Dict[str, Any]) -> List[str]:
-    """A distribution outside the window (torch): the installed release's fingerprints only."""
+    """A distribution outside the window (the installed release only) or read but never installed (torch,
+    every release of its read-only window): whatever the patch's ranges, its targets there must be accepted."""
     out = []
     for row in section["rows"]:
         for target in patch.targets:

@@ -50,7 +50,7 @@ def related_dists(patch: Any) -> List[str]:
 
 
 def _static_rows(dist: str, targets: List[str], refresh: bool, workers: int, log: Callable[[str], None],
-                 window: Optional[str] = None) -> Dict[str, Any]:
+                 window: Optional[str] = None, read_only: bool = False) -> Dict[str, Any]:
     versions = rel.releases_in_window(dist, refresh, window)
     progress = rel.Progress(f"{dist} wheels", len(versions))
     # a distribution without targets is grouped by series: its wheels are not needed
@@ -65,13 +65,18 @@ def _static_rows(dist: str, targets: List[str], refresh: bool, workers: int, log
     series = None if targets else {v: variants.minor_series(v) for v in versions}
     rows = variants.group(versions, prints, series)
     section = {"window": window or rel.window_for(dist), "targets": targets, "releases": versions, "rows": rows}
-    if window:
+    if read_only:
+        section["read_only"] = True
+        section["note"] = (f"{dist} releases are read, not installed: each release's targets are fingerprinted from "
+                           f"its wheel, and no reproducer runs there (the test suite and `metapatch selftest` measure "
+                           f"the {dist} they run on)")
+    elif window:
         section["note"] = f"no support window is declared for {dist}: surveyed over the patch's affects {window}"
     return section
 
 
 def _installed_rows(dist: str, targets: List[str]) -> Dict[str, Any]:
-    """A target distribution outside the support window (torch, gguf): the installed release only."""
+    """A target distribution outside every window: the installed release only."""
     from ..diffs import installed_version
 
     version = installed_version(dist)
@@ -91,9 +96,12 @@ def static_table(patch: Any, refresh: bool = False, workers: int = 4, log: Calla
         targets = sorted(by_dist.get(dist, []))
         if rel.window_for(dist):
             dists[dist] = _static_rows(dist, targets, refresh, workers, log)
+        elif rel.read_only_window_for(dist) and targets:  # torch: every release's code, read where it lies
+            dists[dist] = _static_rows(dist, targets, refresh, workers, log, rel.read_only_window_for(dist),
+                                       read_only=True)
         elif dist in patch.affects:  # a distribution of its own (gguf): its affects range is its window
             dists[dist] = _static_rows(dist, targets, refresh, workers, log, patch.affects[dist])
-        else:  # torch: only the installed release (its wheels are gigabytes, and it is pinned)
+        else:  # outside every window: only the installed release
             dists[dist] = _installed_rows(dist, targets)
     return {"patch": patch.id, "schema": 1, "distributions": dists, "method": METHOD}
 
@@ -239,7 +247,7 @@ def run_table(table_: Dict[str, Any], patch: Any, max_combos: int, timeout: floa
               log: Callable[[str], None] = print, ends: str = "both") -> None:
     """Replace each row by its measured row(s) in place; cached combinations cost nothing."""
     for dist, section in table_["distributions"].items():
-        if section.get("window") is None or (only_dists and dist not in only_dists):
+        if section.get("window") is None or section.get("read_only") or (only_dists and dist not in only_dists):
             continue
         per_row = 1 if ends == "newest" else 2
         estimate = sum(min(len(r["releases"]), per_row) for r in section["rows"]) * max(1, max_combos)

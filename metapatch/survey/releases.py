@@ -1,9 +1,11 @@
 """Releases inside the support window, from PyPI's JSON API, and their wheels, downloaded into the
-survey cache (in parallel, verified against PyPI's sha256, reused on the next run)."""
+survey cache (in parallel, verified against PyPI's sha256, reused on the next run); the wheels of a
+read-only distribution (torch: gigabytes each) are read where they lie instead (:class:`RemoteWheel`)."""
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import sys
 import time
@@ -11,7 +13,7 @@ import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import cache_dir
 
@@ -23,6 +25,13 @@ def window_for(dist: str) -> Optional[str]:
     from ..tested_versions import SUPPORT_WINDOW
 
     return SUPPORT_WINDOW.get(dist)
+
+
+def read_only_window_for(dist: str) -> Optional[str]:
+    """The releases of ``dist`` whose code the survey reads without installing them (torch), or None."""
+    from ..tested_versions import READ_ONLY_WINDOW
+
+    return READ_ONLY_WINDOW.get(dist)
 
 
 def _index(dist: str, refresh: bool = False) -> dict:
@@ -79,12 +88,86 @@ def _pick_file(files: Sequence[dict]) -> Optional[dict]:
     return None
 
 
-def archive_path(dist: str, version: str) -> Path:
-    """The downloaded wheel (or sdist) of one release; downloads it if it is not cached yet."""
+class _RangeReader(io.RawIOBase):
+    """A seekable, read-only file over HTTP range requests, fetched in blocks and kept: zipfile reads a
+    wheel's central directory at its end, then only the members asked for."""
+
+    _BLOCK = 1 << 18
+
+    def __init__(self, url: str) -> None:
+        super().__init__()
+        self._url = url
+        with urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=60) as response:
+            self._size = int(response.headers["Content-Length"])
+        self._position = 0
+        self._blocks: Dict[int, bytes] = {}
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._size}[whence]
+        self._position = base + offset
+        return self._position
+
+    def _block(self, index: int) -> bytes:
+        if index not in self._blocks:
+            start = index * self._BLOCK
+            end = min(self._size, start + self._BLOCK) - 1
+            request = urllib.request.Request(self._url, headers={"Range": f"bytes={start}-{end}"})
+            with urllib.request.urlopen(request, timeout=120) as response:
+                data = response.read()
+            if response.status != 206 and len(data) != end - start + 1:
+                raise IOError(f"{self._url}: the server ignored a range request")
+            self._blocks[index] = data
+        return self._blocks[index]
+
+    def readinto(self, buffer: Any) -> int:
+        wanted = min(len(buffer), max(0, self._size - self._position))
+        done = 0
+        while done < wanted:
+            index, offset = divmod(self._position, self._BLOCK)
+            chunk = self._block(index)[offset:offset + wanted - done]
+            buffer[done:done + len(chunk)] = chunk
+            done += len(chunk)
+            self._position += len(chunk)
+        return done
+
+
+class RemoteWheel:
+    """A wheel on the index, opened like a downloaded one (``open("rb")``) but read by range requests:
+    the survey needs a few modules' source out of a torch wheel of gigabytes. PyPI's sha256 covers the
+    whole file, so it cannot be checked here; what is read is the index's own file over HTTPS."""
+
+    def __init__(self, url: str, filename: str) -> None:
+        self.url = url
+        self.name = filename
+        self.suffix = Path(filename).suffix
+
+    def open(self, mode: str = "rb") -> io.BufferedReader:
+        if mode != "rb":
+            raise ValueError("a remote wheel is read only")
+        return io.BufferedReader(_RangeReader(self.url), buffer_size=1 << 16)
+
+    def __repr__(self) -> str:
+        return f"RemoteWheel({self.name!r})"
+
+
+def archive_path(dist: str, version: str) -> Any:
+    """The downloaded wheel (or sdist) of one release, a ``Path`` (downloaded if it is not cached yet); for a
+    read-only distribution a :class:`RemoteWheel` (nothing downloaded)."""
     files = _index(dist)["releases"].get(version) or []
     chosen = _pick_file(files)
     if chosen is None:
         raise FileNotFoundError(f"PyPI lists no usable file for {dist} {version}")
+    if read_only_window_for(dist) and chosen["filename"].endswith(".whl"):
+        return RemoteWheel(urllib.parse.urljoin(PYPI_JSON.format(dist=dist), chosen["url"]), chosen["filename"])
     path = cache_dir() / "archives" / dist / chosen["filename"]
     if path.exists():
         return path
@@ -124,7 +207,8 @@ class Progress:
 
 def fetch_all(dist: str, versions: Sequence[str], workers: int = 4,
               on_done: Optional[Callable[[str], None]] = None) -> Dict[str, Tuple[Optional[Path], str]]:
-    """Download every release's archive in parallel: {version: (path or None, error text)}."""
+    """Download every release's archive in parallel (a read-only distribution's: found, not downloaded):
+    {version: (path or None, error text)}."""
     results: Dict[str, Tuple[Optional[Path], str]] = {}
 
     def one(version: str) -> Tuple[str, Optional[Path], str]:

@@ -15,7 +15,7 @@ import json
 import tarfile
 import zipfile
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from .._framework.fingerprints import fingerprint_source
 from . import cache_dir
@@ -72,11 +72,12 @@ def _module_files(module: str) -> List[str]:
     return [base + ".py", base + "/__init__.py"]
 
 
-def read_module_from_archive(archive: Path, module: str) -> Optional[str]:
-    """A module's source from a wheel (``pkg/mod.py``) or an sdist (``name-1.0/[src/]pkg/mod.py``)."""
+def read_module_from_archive(archive: Any, module: str) -> Optional[str]:
+    """A module's source from a wheel (``pkg/mod.py``) or an sdist (``name-1.0/[src/]pkg/mod.py``);
+    ``archive`` is a ``Path`` or anything that opens like one (a ``releases.RemoteWheel``)."""
     wanted = _module_files(module)
     if archive.name.endswith(".whl") or archive.suffix == ".zip":
-        with zipfile.ZipFile(archive) as zf:
+        with archive.open("rb") as handle, zipfile.ZipFile(handle) as zf:
             names = set(zf.namelist())
             for name in wanted:
                 if name in names:
@@ -152,7 +153,7 @@ def fingerprints(read_module, targets: Iterable[str]) -> Dict[str, str]:
     return {dotted: measure(*dotted.split(":", 1)) for dotted in targets}
 
 
-def archive_fingerprints(dist: str, version: str, archive: Path, targets: Iterable[str]) -> Dict[str, str]:
+def archive_fingerprints(dist: str, version: str, archive: Any, targets: Iterable[str]) -> Dict[str, str]:
     """Fingerprints for one release, cached per release (a wheel never changes): only targets not
     measured before are read."""
     from .._framework.fingerprints import __file__ as normaliser
