@@ -114,9 +114,13 @@ def _install_stack(session, versions, editable=True):
     # Byte-compiled at install (pip's default), never --no-compile: with PYTHONDONTWRITEBYTECODE set, as
     # on CI's machines, nothing is compiled later, and every interpreter a test starts would compile
     # the stack from source (measured: the seed pair's tests ran far slower with --no-compile).
-    _share_torch(session)
-    session.install(TORCH)  # first, alone, so nothing else can pick a CUDA build (satisfied by the shared one)
-    pins = {**{d: v for d, v in TESTED["COMMON"].items() if d != "torch"}, **versions}
+    if "torch" in versions:  # a gate stack on another torch: its own, in the session's venv
+        session.install(f"torch=={versions['torch']}")
+    else:
+        _share_torch(session)
+        session.install(TORCH)  # first, alone, so nothing else can pick a CUDA build (satisfied by the shared one)
+    pins = {**{d: v for d, v in TESTED["COMMON"].items() if d != "torch"},
+            **{d: v for d, v in versions.items() if d != "torch"}}
     session.install(*(f"{dist}=={ver}" for dist, ver in pins.items()), *TEST_TOOLS)
     if editable:
         session.install("-e", ".")  # with its own dependencies (wrapt, packaging); the stack is pinned above
