@@ -250,6 +250,12 @@ def test_run_row_bisects_a_fix_outside_the_fingerprinted_code():
     static_table = {"distributions": {"pkg": {"releases": releases, "rows": [dict(row)]}}}
     plan.carry_runs(static_table, {"distributions": {"pkg": {"rows": rows}}})
     assert [r["releases"] for r in static_table["distributions"]["pkg"]["rows"]] == [releases[:4], releases[4:]]
+    # a row that grew (more releases read with the same code) keeps the runs of the releases measured before
+    grown = releases + ["1.6"]
+    static_table = {"distributions": {"pkg": {"releases": grown, "rows": variants.group(grown, {v: {"t": "same"} for v in grown})}}}
+    plan.carry_runs(static_table, {"distributions": {"pkg": {"rows": [{**rows[0], "runs": [_run("yes")]}]}}})
+    [kept] = static_table["distributions"]["pkg"]["rows"]
+    assert kept["releases"] == grown and table.row_status(kept) == table.AFFECTED
 
 
 def test_run_row_splits_off_releases_where_the_scenario_cannot_run():

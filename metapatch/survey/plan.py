@@ -109,7 +109,10 @@ def static_table(patch: Any, refresh: bool = False, workers: int = 4, log: Calla
 def carry_runs(new: Dict[str, Any], old: Optional[Dict[str, Any]]) -> None:
     """Keep the measured rows of an earlier table where the code did not change: a new static row
     is replaced by the old measured rows with its fingerprints when they cover exactly its releases
-    (a row split by bisection stays split). A --static refresh must not throw measurements away."""
+    (a row split by bisection stays split); where they cover only some of them (the row has grown: more
+    releases read, a new release with the same code) and agree on the verdict, their runs go to the new
+    row, which names its measured releases in each run's pins, as a row measured with --ends newest does.
+    A --static refresh must not throw measurements away."""
     if not old:
         return
     for dist, section in new["distributions"].items():
@@ -125,6 +128,8 @@ def carry_runs(new: Dict[str, Any], old: Optional[Dict[str, Any]]) -> None:
                 for r in sorted(same, key=lambda r: row["releases"].index(r["releases"][0])):
                     rng = variants.exact_range(section["releases"], r["releases"][0], r["releases"][-1])
                     rows.append({**r, "variant": row["variant"], "range": rng})
+            elif same and len({table.row_status(r) for r in same}) == 1:
+                rows.append({**row, "runs": [run for r in same for run in r["runs"]]})
             else:
                 rows.append(row)
         section["rows"] = rows
