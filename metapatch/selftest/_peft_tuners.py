@@ -27,6 +27,19 @@ _MIXED = ["v_proj", "up_proj"]
 # -- adapters --------------------------------------------------------------------------------------
 
 
+def _boft_on_torch_ops() -> None:
+    """BOFT on peft's torch path, never its CUDA kernel. peft builds that kernel (``cpp_extension.load``,
+    nvcc) the first time a BOFT layer is made wherever torch is a CUDA build, GPU present or not: minutes
+    where nvcc exists, and a build stopped half-way (a scenario's timeout) leaves a lock in
+    ~/.cache/torch_extensions on which every later build waits forever (seen with torch 2.11+cu130 on a CPU
+    machine: the scenario hung). peft itself takes the torch path where the build fails; the in-memory
+    reference and the offloaded model both run it here, so the comparison is the same."""
+    from peft.tuners.boft import layer
+
+    if getattr(layer, "_FBD_CUDA", None) is None:
+        layer._FBD_CUDA = False  # what get_fbd_cuda() returns from then on: "not available"
+
+
 def tuner_config(kind: str) -> Any:
     """A non-zero adapter of each tuner users use, small enough for a tiny Llama."""
     import peft
@@ -57,6 +70,7 @@ def tuner_config(kind: str) -> Any:
     if kind == "oft":
         return peft.OFTConfig(r=0, oft_block_size=8, target_modules=_ATTENTION, init_weights=False)
     if kind == "boft":
+        _boft_on_torch_ops()
         return peft.BOFTConfig(boft_block_size=8, boft_n_butterfly_factor=1, target_modules=_ATTENTION,
                                init_weights=False)
     if kind == "vera":
