@@ -180,6 +180,26 @@ def test_a_read_only_distribution_is_checked_on_every_release_and_never_run(monk
     assert measured == [] and section["rows"] == rows
 
 
+def test_survey_venvs_pin_the_running_torch_where_the_base_interpreter_has_none(tmp_path, monkeypatch):
+    """Without torch in the base interpreter pip would pick torch itself (the newest, a CUDA build: 2.14.1 on a
+    machine capped there, while the suite runs 2.13.0); the venvs pin the running interpreter's release instead."""
+    import importlib.metadata
+
+    from metapatch.survey import runner
+
+    def interpreter(has_torch: bool) -> str:
+        path = tmp_path / f"python-{has_torch}"
+        path.write_text(f"#!/bin/sh\nexit {0 if has_torch else 1}\n")
+        path.chmod(0o755)
+        return str(path)
+
+    running = importlib.metadata.version("torch").split("+")[0]
+    for has_torch, expected in ((False, {"torch": running}), (True, {})):
+        monkeypatch.setattr(runner, "_TORCH_PIN", [])
+        monkeypatch.setattr(runner, "base_python", lambda: interpreter(has_torch))
+        assert runner.torch_pin() == expected
+
+
 def test_a_remote_wheel_is_read_by_range_requests(tmp_path):
     """The survey reads a module out of a torch wheel without downloading it: only the central directory and
     the member's bytes travel (a local server that honours Range and counts the bytes it sends)."""

@@ -1,7 +1,8 @@
 """Throw-away venvs per combination of versions, and the reproducer runs in them.
 
 A venv is ``python3 -m venv --system-site-packages`` (torch comes from the base interpreter and is
-never named to pip), keyed by its pins, and kept in the survey cache: the next survey that needs
+never named to pip; where the base has none, the running interpreter's torch release is pinned, see
+:func:`torch_pin`), keyed by its pins, and kept in the survey cache: the next survey that needs
 the same combination reuses it. When pip cannot resolve a combination the combination is recorded
 ``uninstallable`` with pip's reason: a measured fact about the ecosystem, not a failure.
 Results are cached per (patch, combination, patch source), so a rerun only runs what changed.
@@ -38,6 +39,27 @@ def base_python() -> str:
     """The interpreter venvs are made from: ``$METAPATCH_SURVEY_PYTHON``, else the base of the
     running one (whose site-packages carry torch)."""
     return os.environ.get("METAPATCH_SURVEY_PYTHON") or getattr(sys, "_base_executable", sys.executable)
+
+
+_TORCH_PIN: List[str] = []
+
+
+def torch_pin() -> Dict[str, str]:
+    """``{"torch": release}`` when the base interpreter has no torch, else ``{}``. Unpinned, pip resolves
+    the stack's ``torch`` requirement to its newest release (a CUDA build of gigabytes, another torch than
+    the suite's: on a machine whose pip is capped at 2.14.1, every venv got 2.14.1); pinned to the running
+    interpreter's release (a local ``+cpu`` label dropped), the runs measure the torch the tests use."""
+    if not _TORCH_PIN:
+        import importlib.metadata
+
+        has_torch = subprocess.run([base_python(), "-c", "import importlib.util as u, sys; "
+                                    "sys.exit(u.find_spec('torch') is None)"], capture_output=True).returncode == 0
+        try:
+            running = importlib.metadata.version("torch").split("+")[0]
+        except importlib.metadata.PackageNotFoundError:
+            running = ""
+        _TORCH_PIN.append("" if has_torch else running)
+    return {"torch": _TORCH_PIN[0]} if _TORCH_PIN[0] else {}
 
 
 _LOCKS: Dict[str, threading.Lock] = {}
@@ -88,6 +110,7 @@ def prefetch(all_pins: List[Mapping[str, str]], log=None) -> threading.Thread:
 
 
 def _ensure_venv(pins: Mapping[str, str], log=None) -> Dict[str, Any]:
+    pins = {**torch_pin(), **pins}
     root = cache_dir() / "venvs" / _key(pins)
     python = root / "bin" / "python"
     done, refused = root / "metapatch-survey-ready.json", root / "metapatch-survey-uninstallable.json"
