@@ -195,9 +195,10 @@ def test_survey_venvs_pin_the_running_torch_where_the_base_interpreter_has_none(
 
     running = importlib.metadata.version("torch").split("+")[0]
     for has_torch, expected in ((False, {"torch": running}), (True, {})):
-        monkeypatch.setattr(runner, "_TORCH_PIN", [])
+        runner.torch_pin.cache_clear()
         monkeypatch.setattr(runner, "base_python", lambda: interpreter(has_torch))
         assert runner.torch_pin() == expected
+    runner.torch_pin.cache_clear()
 
 
 def test_a_remote_wheel_is_read_by_range_requests(tmp_path):

@@ -203,11 +203,10 @@ def pr_body(patch: Any, diff: Any, test_ids: Optional[List[str]] = None, report:
     standalone = standalone_reproducer(diff)
     if standalone is not None:
         source = standalone.read_text()
-        fields = reproducer_fields(source)
+        errors = failure_classes(reproducer_fields(source))
         lines.append("Needs only the packages this PR touches (and torch); it builds a tiny random model."
-                     + (" Without the fix it fails with " + " or ".join(f"`{name}`" for name in failure_classes(fields))
-                        + " (depending on the release)" * (len(failure_classes(fields)) > 1) + "."
-                        if fields.get("Fails with") else ""))
+                     + (" Without the fix it fails with " + " or ".join(f"`{name}`" for name in errors)
+                        + (" (depending on the release)" if len(errors) > 1 else "") + "." if errors else ""))
         lines += ["", "```python", source.rstrip(), "```", ""]
     else:
         reproducer, scenarios = _reproducer(patch)

@@ -92,10 +92,12 @@ def _prepare(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
 
 PATCH = Patch(
     id=PATCH_ID,
-    title="accelerate FSDP2 prepare groups every module holding a tied embedding weight (no 'shared with a "
-          "parameter already managed by another FSDP group' with torch >= 2.13; tied LMs on 1.14, BART on 1.15)",
-    # Measured (two ranks, gloo, torch 2.13.0): accelerate 1.14.0 fails on a tied Llama and on BART,
-    # 1.15.0 on BART; 1.13.0 has no embedding/tail groups (every tie stays in the root group).
+    title="accelerate FSDP2 prepare groups every module holding a tied embedding weight (torch >= 2.13: no 'shared "
+          "with a parameter already managed by another FSDP group'; older torch: no silently wrong training step; "
+          "tied LMs on 1.14, BART on 1.15 and 1.16)",
+    # Measured (two ranks, gloo): accelerate 1.14.0 fails on a tied Llama and on BART, 1.15.0 and 1.16.0 on
+    # BART, with torch 2.13.0 (ValueError) and torch 2.11.0 (every rank's step wrong, AssertionError in the
+    # scenarios); 1.13.0 has no embedding/tail groups (every tie stays in the root group).
     affects={"accelerate": ">=1.14"},
     targets=(
         Target("accelerate.utils.fsdp_utils", "fsdp2_prepare_model",

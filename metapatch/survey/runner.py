@@ -11,6 +11,7 @@ Results are cached per (patch, combination, patch source), so a rerun only runs 
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import json
 import os
@@ -41,25 +42,21 @@ def base_python() -> str:
     return os.environ.get("METAPATCH_SURVEY_PYTHON") or getattr(sys, "_base_executable", sys.executable)
 
 
-_TORCH_PIN: List[str] = []
-
-
+@functools.lru_cache(maxsize=None)
 def torch_pin() -> Dict[str, str]:
     """``{"torch": release}`` when the base interpreter has no torch, else ``{}``. Unpinned, pip resolves
     the stack's ``torch`` requirement to its newest release (a CUDA build of gigabytes, another torch than
     the suite's: on a machine whose pip is capped at 2.14.1, every venv got 2.14.1); pinned to the running
     interpreter's release (a local ``+cpu`` label dropped), the runs measure the torch the tests use."""
-    if not _TORCH_PIN:
-        import importlib.metadata
+    import importlib.metadata
 
-        has_torch = subprocess.run([base_python(), "-c", "import importlib.util as u, sys; "
-                                    "sys.exit(u.find_spec('torch') is None)"], capture_output=True).returncode == 0
-        try:
-            running = importlib.metadata.version("torch").split("+")[0]
-        except importlib.metadata.PackageNotFoundError:
-            running = ""
-        _TORCH_PIN.append("" if has_torch else running)
-    return {"torch": _TORCH_PIN[0]} if _TORCH_PIN[0] else {}
+    has_torch = subprocess.run([base_python(), "-c", "import importlib.util as u, sys; "
+                                "sys.exit(u.find_spec('torch') is None)"], capture_output=True).returncode == 0
+    try:
+        running = importlib.metadata.version("torch").split("+")[0]
+    except importlib.metadata.PackageNotFoundError:
+        running = ""
+    return {"torch": running} if running and not has_torch else {}
 
 
 _LOCKS: Dict[str, threading.Lock] = {}
