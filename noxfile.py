@@ -4,8 +4,8 @@
   matrix pair, after checking that `metapatch status` reports no stale or failed patch once every
   target is imported;
 * ``gate(stack=...)``: strict ``metapatch status --import-targets`` and ``metapatch selftest --json --all``
-  on stacks between and before the matrix pairs (``GATE_STACKS``), so that the declared support
-  window is exercised beyond the three pairs;
+  on stacks between and before the matrix pairs, and the latest pair on torch 2.11.0 (``GATE_STACKS``),
+  so that the declared support window is exercised beyond the three pairs;
 * ``framework(python=...)``: the registry and CLI tests on the oldest and newest supported Python,
   without the heavy stack.
 * ``lint``: the import-linter contracts of pyproject.toml (the layers: tools -> patches -> offload
@@ -60,7 +60,7 @@ TEST_TOOLS = ["safetensors", "pytest>=8", "pytest-xdist", "hypothesis>=6", "para
 # run), the upstream suites (accelerate's and peft's own tests with metapatch active: one hunt for silent
 # wrongs, on the newest releases), and the PEFT tuner matrix (six scenarios x unpatched/patched/diff, 4-5
 # min of one worker on the older pairs; test_peft_offload_redispatch.py keeps the PEFT patch's three-way
-# proof in every pair, and the gates run the tuner scenarios unpatched and patched on four more stacks).
+# proof in every pair, and the gates run the tuner scenarios unpatched and patched on the five gate stacks).
 # Measured on the seed pair (junit): these were about 730 of its 3000 worker-seconds;
 # CI had reached 3656 s of its 60 minutes.
 ONCE = ["tests/test_pr_checks.py", "tests/test_series_reproducers.py", "tests/test_reproducers.py",

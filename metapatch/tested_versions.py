@@ -51,8 +51,8 @@ GATE_STACKS = {
     "oldest": {"transformers": "4.57.1", "accelerate": "1.10.0", "peft": "0.17.0", "bitsandbytes": "0.46.1"},
     "early5": {"transformers": "5.2.0", "accelerate": "1.11.0", "peft": "0.18.0", "bitsandbytes": "0.47.0"},
     "mid": {"transformers": "5.17.0", "accelerate": "1.14.0", "peft": "0.19.1", "bitsandbytes": "0.49.2"},
-    # The pair before the latest one: users upgrade one package at a time, and accelerate 1.15 still has bugs
-    # (the meta-pointer cache, the all-disk map) that 1.16 does not.
+    # The pair before the latest one: users upgrade one package at a time, and accelerate 1.15 still has a bug
+    # that 1.16 does not (FSDP2's cpu_ram_efficient_loading of plain buffers).
     "previous": {"transformers": "5.24.0", "accelerate": "1.15.0", "peft": "0.21.2", "bitsandbytes": "0.50.2"},
     # The latest pair on another torch: the project's GPU machine runs torch 2.11, which FSDP2 tells apart
     # (no duplicate-parameter check before 2.13: a doubly grouped tie trained wrong there, silently, while

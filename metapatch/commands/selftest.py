@@ -64,7 +64,8 @@ environment:
   METAPATCH_SELFTEST_FORK=0      a fresh interpreter per run instead of a fork of a warm parent
   METAPATCH_SELFTEST_PRELOAD=0   the warm parents import torch only
   METAPATCH_SELFTEST_DEVICE=cpu|cuda|cuda:N   the execution device (default: cuda:0 where CUDA is present)
-  METAPATCH_DISABLE / METAPATCH_STRICT apply to the runs with metapatch as in any program
+  METAPATCH_STRICT applies to the runs with metapatch as in any program; METAPATCH_DISABLE is ignored
+                                 (the runs with metapatch have every patch; select with --patch/--scenario)
 """
 
 

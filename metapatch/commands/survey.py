@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--all", action="store_true", help="every registered patch")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--static", action="store_true", help="fingerprints and variants only (the default)")
-    mode.add_argument("--run", action="store_true", help="also run the reproducers, one release per variant")
+    mode.add_argument("--run", action="store_true", help="also run the reproducers on each variant's newest and oldest release (--ends)")
     mode.add_argument("--check", action="store_true",
                       help="measure nothing: exit 1 when the Patch record disagrees with its committed table")
     mode.add_argument("--show", action="store_true", help="print the committed table, measure nothing")
