@@ -33,6 +33,7 @@ INDEX = {
     'offloaded-resize-token-embeddings': ('offloaded_resize_token_embeddings', ('transformers.modeling_utils',)),
     'offloaded-training-refusal': ('offloaded_training_refusal', ('accelerate.hooks', 'torch.optim.optimizer')),
     'peft-offload-redispatch': ('peft_offload_redispatch', ('peft.peft_model', 'peft.mixed_model', 'peft.tuners.tuners_utils', 'peft.utils.save_and_load')),
+    'peft-prefix-cache-cpu-map': ('peft_prefix_cache_cpu_map', ('peft.utils.integrations',)),
     'peft-tp-shard-import': ('peft_tp_shard_import', ('peft.utils.save_and_load',)),
     'tied-device-map-accelerate': ('tied_device_map_accelerate', ('accelerate.utils.modeling',)),
     'tied-device-map-disk-index': ('tied_device_map_disk_index', ('transformers.integrations.accelerate',)),

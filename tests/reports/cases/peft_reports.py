@@ -7,7 +7,7 @@ from typing import Any, Dict
 
 import torch
 
-from _tiny import LLAMA_DISK_MAP, assert_matches, cached, llama, logits, offload
+from _tiny import LLAMA_DISK_MAP, NotApplicable, assert_matches, cached, greedy, llama, logits, offload
 
 TARGETS = ["q_proj", "v_proj"]
 
@@ -101,3 +101,28 @@ def transformers_load_adapter_over_offloaded(workdir: Path) -> Dict[str, Any]:
     model = _base(ckpt, workdir)
     model.load_adapter(str(adapter))
     return {"max_abs_diff": assert_matches(logits(model), reference, "model.load_adapter over an offloaded base")}
+
+
+def prefix_tuning_cpu_disk_map(workdir: Path) -> Dict[str, Any]:
+    """peft#3619: prefix tuning (``get_peft_model`` with ``PrefixTuningConfig``, the adapter's state loaded) over a
+    base whose ``hf_device_map`` names only cpu and disk, as a machine without a GPU offloads: peft looks for the
+    map's accelerator to place the virtual-token cache at every forward."""
+    import peft
+    from packaging.version import Version
+    from peft import PrefixTuningConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+
+    if Version(peft.__version__) < Version("0.18"):
+        raise NotApplicable("peft 0.17 fails prefix tuning over any device map on transformers >= 4.56 first "
+                            "('DynamicCache' object has no attribute 'key_cache'; fixed in peft 0.18)")
+    ckpt = llama(workdir)
+    config = PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3)
+    torch.manual_seed(1)
+    in_memory = get_peft_model(_base(ckpt), config).eval()
+    model = get_peft_model(_base(ckpt, workdir), config)
+    set_peft_model_state_dict(model, get_peft_model_state_dict(in_memory))
+    model.eval()
+    diff = assert_matches(logits(model), logits(in_memory), "prefix tuning over a cpu/disk map")
+    tokens, expected = greedy(model), greedy(in_memory)
+    if not torch.equal(tokens, expected):
+        raise AssertionError(f"generate gave {tokens.tolist()}, in memory {expected.tolist()}: differ from the in-memory reference")
+    return {"max_abs_diff": diff}
