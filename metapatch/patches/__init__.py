@@ -12,6 +12,7 @@ INDEX = {
     'accelerate-fsdp2-adapter-state': ('accelerate_fsdp2_adapter_state', ('accelerate.utils.fsdp_utils',)),
     'accelerate-fsdp2-plain-buffers': ('accelerate_fsdp2_plain_buffers', ('accelerate.utils.fsdp_utils',)),
     'accelerate-fsdp2-shared-embeddings': ('accelerate_fsdp2_shared_embeddings', ('accelerate.utils.fsdp_utils',)),
+    'accelerate-redispatch-guard': ('accelerate_redispatch_guard', ('accelerate.big_modeling',)),
     'accelerate-root-disk-map': ('accelerate_root_disk_map', ('accelerate.utils.offload',)),
     'accelerate-tie-before-load': ('accelerate_tie_before_load', ('accelerate.big_modeling', 'accelerate.utils.modeling')),
     'accelerate-unindexed-disk-tensors': ('accelerate_unindexed_disk_tensors', ('accelerate.big_modeling',)),

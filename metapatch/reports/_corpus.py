@@ -294,10 +294,11 @@ REPORTS = (
            "accelerate 0.25.0.dev0",
            "disk_offload(model) on a model already offloaded: state_dict() yields meta placeholders, offload_weight copies them",
            "accelerate-disk-offload-offloaded", (_COPY_OUT,), OPEN,
-           "Out of scope for metapatch (still failing upstream on every release in the window): re-offloading a "
-           "model that accelerate already dispatched is not a loading path, its weights already live behind "
-           "offload hooks, and the error is loud, not a wrong value. Workaround: load the model with the device map "
-           "you want (device_map + offload_folder) instead of offloading an already dispatched model again.",
+           "Still failing upstream on every release in the window. With metapatch (accelerate-redispatch-guard) "
+           "disk_offload, cpu_offload and dispatch_model refuse such a model with a MetapatchError that names an "
+           "offloaded weight, before anything is written or re-hooked; placing it for real would need every "
+           "offloaded weight in memory at once. Workaround: load the model with the device map you want "
+           "(device_map + offload_folder) instead of offloading an already dispatched model again.",
            _A + "disk_offload_of_offloaded_model", frames=("accelerate.utils.offload:offload_state_dict", "accelerate.big_modeling:disk_offload")),
     Report("accelerate-1289-tied-weights-init-empty-weights", "https://github.com/huggingface/accelerate/issues/1289",
            "ValueError: weight is on the meta device, we need a `value` to put in on cpu.", "huggingface/accelerate",
