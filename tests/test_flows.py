@@ -98,6 +98,18 @@ def test_save_adapter_after_resizing_an_offloaded_embedding():
             placement=["disk", "cpu", "cpu", "cpu", "cpu", "cpu", "cpu"])
 
 
+def test_reload_with_modules_to_save_over_a_tied_head_on_disk():
+    """Found by the long run (Python 3.10, transformers 5.20.2, accelerate 1.15.0; the same on 5.25.0 / 1.16.0): a
+    tied Llama with embed_tokens and norm on disk (the tied head follows its embedding there), an adapter with
+    modules_to_save=["model.norm"] saved and reloaded through PeftModel.from_pretrained: the full re-dispatch
+    named the tied weight once, under embed_tokens, and the head's hook failed the first forward with
+    KeyError: 'base_model.model.lm_head.weight' (the in-memory model works). The head now reads the tied value."""
+    _replay([("add_adapter", {"spec": {"kind": "lora", "targets": ["q_proj"], "r": 2, "init": False,
+                                       "modules_to_save": ["model.norm"]}}),
+             ("save_and_reload", {"entry": "PeftModel.from_pretrained"})],
+            tied=True, placement=["disk", "cpu", "cpu", "cpu", "cpu", "disk", "cpu"])
+
+
 def test_dora_through_load_adapter_replays():
     """Found by the long run: a DoRA adapter saved and reloaded through transformers'
     load_adapter differed from the in-memory reload by 0.03. Not a meta-device bug: see the next test. The flow

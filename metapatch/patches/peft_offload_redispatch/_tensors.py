@@ -95,7 +95,8 @@ def _place_tensors(model: Any, device_map: Dict[str, Any], sources: Dict[str, An
     from accelerate.utils import named_module_tensors, set_module_tensor_to_device
 
     weights, new_disk, kept_in_memory, onloaded = OffloadedTensors(), {}, [], []
-    if tensors is None:
+    full = tensors is None
+    if full:
         adapters = _adapter_tensor_names(model)
         tensors = [(name, tensor, name in adapters)
                    for name, tensor in named_module_tensors(model, include_buffers=True, recurse=True)]
@@ -115,6 +116,8 @@ def _place_tensors(model: Any, device_map: Dict[str, Any], sources: Dict[str, An
             weights.add_tensor(name, tensor.detach())
             if str(where) == "disk" and not is_adapter:
                 kept_in_memory.append(name)
+    if full:
+        _serve_tied_aliases(model, device_map, sources, offloaded_devices, weights)
     # Read together: the tensors of one checkpoint file with the file opened once.
     for (name, where), value in zip(onloaded, values_of([sources[name] for name, _ in onloaded])):
         set_module_tensor_to_device(model, name, where, value=value)
@@ -127,6 +130,27 @@ def _place_tensors(model: Any, device_map: Dict[str, Any], sources: Dict[str, An
             "metapatch: %d tensors newly placed on disk (%s, …) stay in CPU memory: pass offload_dir "
             "to PeftModel.from_pretrained/load_adapter to write them there", len(kept_in_memory), kept_in_memory[0])
     return weights
+
+
+def _serve_tied_aliases(model: Any, device_map: Dict[str, Any], sources: Dict[str, Any], offloaded_devices: set,
+                        weights: OffloadedTensors) -> None:
+    """Give every further name of a tensor held by several modules (a tied head: ``lm_head.weight`` is
+    ``embed_tokens.weight``) its own entry where its module is offloaded. The walk above names each tensor once,
+    under its first name; ``dispatch_model`` then hooks every module holding it, and each hook looks its own
+    name up in the weights map (a re-dispatch that kept no entry for the head failed its first forward with
+    ``KeyError: 'base_model.model.lm_head.weight'``). The entry is the name's own captured source, else the
+    first name's: the same tensor, read from where it was."""
+    first: Dict[int, str] = {}
+    for name, tensor, _ in module_tensors(model, remove_duplicate=False):
+        if id(tensor) not in first:
+            first[id(tensor)] = name
+            continue
+        if name in weights.entries or str(_placement_of(name, device_map)) not in offloaded_devices:
+            continue
+        if name in sources:
+            weights.entries[name] = sources[name]
+        elif first[id(tensor)] in weights.entries:
+            weights.entries[name] = weights.entries[first[id(tensor)]]
 
 
 def _device_of(placement: Any) -> Any:
