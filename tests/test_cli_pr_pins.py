@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import metapatch
-from metapatch import Patch, Target, Upstream, tested_versions
+from metapatch import Patch, Target, Upstream, diffs, tested_versions
 from metapatch._framework.registry import Registry
 from metapatch.cli import main as cli_main
 from metapatch.commands import pins
@@ -370,7 +370,7 @@ def test_pins_pins_tested_versions_and_drops_what_no_patch_needs(fake_dists, mon
         record("via-diff", {"mpa": "<1.1"}, ["upstream_diffs/via-diff/mpb.diff"]),  # belongs to mpb too
     ])
     registry.install()
-    report = pins.compute(registry, MATRIX, metapatch.diffs.installed_version)
+    report = pins.compute(registry, MATRIX, diffs.installed_version)
     by = {e["distribution"]: e for e in report["entries"]}
     assert by["mpa"]["pin"] == "mpa==1.1" and by["mpa"]["droppable"]
     assert by["mpa"]["patches"] == ["fixed-in-mpa", "via-diff"]
@@ -394,7 +394,7 @@ def test_pins_pins_tested_versions_and_drops_what_no_patch_needs(fake_dists, mon
 def test_pins_combination_tested_when_installed_matches_a_row(fake_dists):
     fake_dists(mpa="1.0", mpb="2.0", mpc="3.0", mpd="4.0")
     registry = Registry([])
-    report = pins.compute(registry, MATRIX, metapatch.diffs.installed_version)
+    report = pins.compute(registry, MATRIX, diffs.installed_version)
     assert report["combination_tested"] is True
     assert [e["pin"] for e in report["entries"]] == ["mpa==1.0", "mpb==2.0", "mpc==3.0", "mpd==4.0"]
     assert "not a tested one" not in pins.format_report(report)
