@@ -57,10 +57,11 @@ def _has_index(folder: Optional[Any]) -> bool:
 def _refuse(what: str, placeholders: List[Tuple[str, str]]) -> None:
     name, where = placeholders[0]
     raise RedispatchOffloadedError(
-        f"{what}() over a model whose weights accelerate already offloads ({len(placeholders)} tensors, e.g. "
-        f"{name} on {where}): their values live behind the offload hooks, and {what} would read meta placeholders "
-        f"from model.state_dict(). Nothing was changed. Load the model again with the placement you want "
-        f"(from_pretrained(..., device_map=..., offload_folder=...)) or place the model before offloading it.")
+        f"metapatch: {what}() over a model whose weights accelerate already offloads ({len(placeholders)} tensors, "
+        f"e.g. {name} on {where}): their values live behind the offload hooks, and {what} would read meta "
+        f"placeholders from model.state_dict(). Nothing was changed. Load the model again with the placement you "
+        f"want (from_pretrained(..., device_map=..., offload_folder=...)) or place the model before offloading it."
+        f"\n(raised by metapatch patch {PATCH_ID!r}, METAPATCH_DISABLE={PATCH_ID} turns it off)")
 
 
 def _guarded(what: str, sourced: Callable[[Dict[str, Any]], bool]) -> Callable[..., Any]:
