@@ -195,6 +195,23 @@ WRITES = {
 }
 
 
+def _replace(model: Any, target: str, how: str) -> None:
+    """Replace ``target`` (of ``model`` or of the base a PeftModel wraps) with a new parameter of its shape."""
+    import torch
+
+    param = _parameter(model, target)
+    value = torch.full(tuple(param.shape), 0.02) + torch.linspace(-0.01, 0.01, param.shape[-1])
+    for module in model.modules():
+        for local, held in list(module._parameters.items()):
+            if held is param:
+                if how == "setattr":
+                    setattr(module, local, torch.nn.Parameter(value, requires_grad=param.requires_grad))
+                else:
+                    module.load_state_dict({local: value}, strict=False, assign=True)
+                return
+    raise KeyError(target)
+
+
 def make_machine(inits: tuple = INITS):
     class FlowMachine(RuleBasedStateMachine):
         """Two models (``ref`` in memory, ``off`` offloaded) driven by the same steps."""
@@ -479,6 +496,13 @@ def make_machine(inits: tuple = INITS):
             an init or a scaling under ``no_grad``, a row under ``inference_mode``): where the weight is offloaded
             it must reach the next forward (or be refused)."""
             self._both(f"write {kind} into {weight}", lambda m: WRITES[kind](_parameter(m, weight)))
+
+        @precondition(lambda self: not self.done)
+        @rule(weight=st.sampled_from(WRITE_TARGETS), how=st.sampled_from(["setattr", "load_state_dict-assign"]))
+        def replace(self, weight: str, how: str) -> None:
+            """One weight replaced by a new tensor (``module.weight = nn.Parameter(v)``, ``load_state_dict(...,
+            assign=True)``): where it is offloaded, the next forward must read the new one (or be refused)."""
+            self._both(f"replace {weight} ({how})", lambda m: _replace(m, weight, how))
 
         @precondition(lambda self: not self.done)
         @rule(chain=st.sampled_from(["bf16-fp32", "half-float"]), scope=st.sampled_from(["model", "layers.1",

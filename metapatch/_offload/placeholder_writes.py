@@ -22,6 +22,15 @@ placeholder whose module no longer serves it raises
 :class:`~metapatch._offload.offloaded_weights.OffloadedWriteError` naming the tensor; nothing is kept
 then. Reads through ``.data`` stay meta, as upstream.
 
+Replacing the placeholder is a write too: ``module.weight = nn.Parameter(value)``, ``register_parameter``,
+``load_state_dict(..., assign=True)``. In memory the module computes with the new tensor from then on;
+upstream the hook's next load puts the stored value over it, silently (and a tensor the hook never stored, a
+bias registered after dispatch, fails that load with ``KeyError``). :func:`adopt_replacements` runs before every
+load of an offloaded module's weights (its forward, and every reader that loads them through the hook) and
+keeps such a tensor for the hook to serve: the tensor itself, so a later write into it shows, as in memory.
+A replacement of a tied weight (the hook's partner would keep the old one) or of a tensor class the store
+cannot keep (a quantized one) raises :class:`~metapatch._offload.offloaded_weights.OffloadedWriteError`.
+
 Nothing here imports torch or accelerate at import time.
 """
 
@@ -425,3 +434,61 @@ def _is_write_method(name: str) -> bool:
     if name.startswith("__i") and name.endswith("__"):  # __iadd__, __imul__, ...
         return name not in ("__init__", "__index__", "__invert__", "__iter__")
     return name.endswith("_") and not name.endswith("__") and name not in _NOT_WRITES
+
+
+# -- a replaced placeholder ---------------------------------------------------------------------------
+
+
+def _slot_tensors(module: Any, hook: Any) -> List[Tuple[str, Any]]:
+    """(name, tensor) of what ``hook`` loads into ``module``: its own parameters in the common case, without
+    building accelerate's list (this runs at every load)."""
+    if not hook.place_submodules and not hook.offload_buffers:
+        return [(name, tensor) for name, tensor in module._parameters.items() if tensor is not None]
+    from metapatch._offload.store import hook_tensors
+
+    return hook_tensors(module, hook)
+
+
+def note_loaded(module: Any, hook: Any) -> None:
+    """After ``hook`` loaded ``module``'s weights: tag them as the hook's (see :func:`adopt_replacements`)."""
+    from metapatch._offload.store import HOOK_LOADED
+
+    for _, tensor in _slot_tensors(module, hook):
+        if not tensor.is_meta:
+            tensor.__dict__[HOOK_LOADED] = True
+
+
+def adopt_replacements(module: Any, hook: Any) -> None:
+    """Before ``hook`` loads ``module``'s weights: a real tensor in a slot the hook fills, which no hook loaded,
+    was put there by the program (``module.weight = nn.Parameter(value)``, ``register_parameter``,
+    ``load_state_dict(..., assign=True)``): the hook serves it from now on, as the in-memory module computes with
+    it. Kept as it is (on its device, its storage shared), so a later write into the program's tensor reaches the
+    next forward too; an inference tensor is copied (accelerate cannot make a parameter of one)."""
+    from metapatch._offload.store import HOOK_LOADED, TIED_MARK, held, overlay_of, plain_tensor
+
+    if held(hook) or weights_map_of(hook) is None:
+        return
+    replaced = [(name, tensor) for name, tensor in _slot_tensors(module, hook)
+                if not tensor.is_meta and HOOK_LOADED not in tensor.__dict__]
+    if not replaced:
+        return
+    tied = set(getattr(hook, "tied_params_names", None) or ()) | set(module.__dict__.get(TIED_MARK, ()))
+    for name, tensor in replaced:
+        if name in tied:
+            raise _error(f"metapatch: {_describe(module, name)} was replaced by a new tensor, and it is an offloaded "
+                         f"weight tied to another module's: accelerate serves each tied copy from its own hook, so "
+                         f"the other would keep the old value. Replace it before dispatching the model, untie it, or "
+                         f"keep the tied modules in memory (device_map).")
+        if not plain_tensor(tensor):
+            raise _error(f"metapatch: {_describe(module, name)} of an offloaded module was replaced by a "
+                         f"{type(tensor).__name__}, a tensor class the offload store cannot keep; the offload hook "
+                         f"would load the old value over it. Keep that module in memory (device_map).")
+    import torch
+
+    overlay = overlay_of(hook)
+    for name, tensor in replaced:
+        value = tensor.detach()
+        if value.is_inference():
+            with torch.inference_mode(False):
+                value = value.clone()
+        overlay.kept[name] = value

@@ -85,6 +85,10 @@ class Overlay(Mapping):
 
 
 TIED_MARK = "_metapatch_tied_tensors"  # on a module: names of its tensors tied to another module's
+# On a tensor an offload hook loaded into its module (or metapatch stood in for it): never the program's own, so
+# a later load that finds it still there (a forward that raised before its post_forward, a re-entered module)
+# does not take it for a replacement (placeholder_writes.adopt_replacements).
+HOOK_LOADED = "_metapatch_hook_loaded"
 
 
 def mark_tied(model: Any) -> None:
@@ -487,6 +491,7 @@ def stood_in(base_layer: Any, device: Any, what: str) -> Iterator[None]:
     for sub, store, name, tensor in placeholders:
         empty = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
         store[name] = torch.nn.Parameter(empty, tensor.requires_grad) if isinstance(tensor, torch.nn.Parameter) else empty
+        store[name].__dict__[HOOK_LOADED] = True
         stand_ins.append((store[name], store[name].data_ptr(), store[name]._version))
     try:
         yield

@@ -25,6 +25,7 @@ INDEX = {
     'fsdp-rank-placeholders': ('fsdp_rank_placeholders', ('transformers.modeling_utils', 'accelerate.accelerator', 'accelerate.utils.fsdp_utils')),
     'gemma4-offloaded-embeddings': ('gemma4_offloaded_embeddings', ('transformers.models.gemma4.modeling_gemma4',)),
     'gguf-lazy-eager-mix': ('gguf_lazy_eager_mix', ('gguf.lazy',)),
+    'moshi-generate-cpu-disk-map': ('moshi_generate_cpu_disk_map', ('transformers.models.moshi.modeling_moshi',)),
     'offloaded-dtype-conversion': ('offloaded_dtype_conversion', ('transformers.integrations.accelerate',)),
     'offloaded-model-device': ('offloaded_model_device', ('transformers.modeling_utils',)),
     'offloaded-model-device-v4': ('offloaded_model_device_v4', ('transformers.modeling_utils',)),

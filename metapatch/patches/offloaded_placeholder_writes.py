@@ -18,6 +18,15 @@ placeholder, it changes shape or dtype, the weight is tied to another module's) 
 assignment per offloaded parameter and forward; the marked class overrides ``.data`` and torch's writing and
 viewing methods only, so accelerate's attribute reads while loading stay torch's own (``benchmarks/RESULTS.md``).
 
+Replacing the placeholder is the same write by other means: ``module.weight = nn.Parameter(v)``,
+``load_state_dict(..., assign=True)``, a parameter registered on an offloaded module after dispatch. Upstream the
+hook's next load puts the stored value over the new tensor, silently (a registered one, which it never stored,
+fails that load with ``KeyError``). Before every load (``pre_forward``: a forward, and every reader that loads
+through the hook) a real tensor the hook did not load itself is kept for it to serve, the program's tensor itself,
+so a later in-place write into it shows as in memory; a tied weight's replacement, or one of a quantized class,
+raises. The hook tags the tensors it loads, so a forward that raised before its ``post_forward`` leaves nothing
+that would be taken for a replacement.
+
 Not seen: writes into buffers (offloaded with ``offload_buffers=True``), into a tensor taken with
 ``.detach()`` from a placeholder, through ``split``/``unbind``/``chunk`` results, into 4-bit ``Params4bit``
 placeholders (their own class), or into placeholders of hooks attached before metapatch was imported until
@@ -30,7 +39,7 @@ from __future__ import annotations
 from typing import Any
 
 from metapatch._framework.records import Patch, Target, Upstream
-from metapatch._offload.placeholder_writes import mark, note_ties
+from metapatch._offload.placeholder_writes import adopt_replacements, mark, note_loaded, note_ties
 from metapatch.patches._shared_targets import shared_fingerprints
 
 PATCH_ID = "offloaded-placeholder-writes"
@@ -49,6 +58,16 @@ def _after_init_hook(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> 
     return result
 
 
+def _around_pre_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    if not instance.offload:
+        return wrapped(*args, **kwargs)
+    module = _module_of(args, kwargs)
+    adopt_replacements(module, instance)  # a tensor the program put in place of a placeholder: served from now on
+    result = wrapped(*args, **kwargs)
+    note_loaded(module, instance)
+    return result
+
+
 def _after_post_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     result = wrapped(*args, **kwargs)
     if instance.offload:  # a per-forward path: the module is imported once, above (it imports no torch)
@@ -58,8 +77,8 @@ def _after_post_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) 
 
 PATCH = Patch(
     id=PATCH_ID,
-    title="A write into an offloaded weight between forwards (.data, torch.nn.init, in place under no_grad) "
-          "reaches the next forward or raises, instead of vanishing",
+    title="A write into an offloaded weight between forwards (.data, torch.nn.init, in place under no_grad, the "
+          "parameter replaced) reaches the next forward or raises, instead of vanishing",
     # Measured: every write kind of the scenarios is a silent no-op on accelerate 1.13.0 and 1.16.0; the
     # placeholders are meta tensors by design in every release, so the range stays open.
     affects={"accelerate": ">=1.10.0"},
@@ -67,6 +86,12 @@ PATCH = Patch(
         Target("accelerate.hooks", "AlignDevicesHook.init_hook",
                fingerprints=shared_fingerprints("accelerate.hooks:AlignDevicesHook.init_hook"),
                wrapper=_after_init_hook),
+        Target("accelerate.hooks", "AlignDevicesHook.pre_forward",
+               fingerprints=("18fe6438772cedef",   # accelerate 1.10.0 - 1.11.0
+                             "653a62460d8eb6d9",   # accelerate 1.13.0
+                             "f285ac7a77158b23",   # accelerate 1.14.0 - 1.15.0
+                             "4ba39112493d24e3"),  # accelerate 1.16.0
+               wrapper=_around_pre_forward),
         Target("accelerate.hooks", "AlignDevicesHook.post_forward",
                fingerprints=("4200559c8ad6e85c",   # accelerate 1.10.0 - 1.12.0
                              "f14e50617773cfd9",   # accelerate 1.13.0 - 1.15.0

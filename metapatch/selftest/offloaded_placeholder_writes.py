@@ -8,7 +8,8 @@ re-initialising / editing weights in place under ``no_grad`` (``torch.nn.init.ze
 ``.data[:, :4] += 1``). Upstream every write is a no-op on the meta placeholder and the model computes with the
 stored values: the logits differ from the in-memory model's, silently, and the scenario fails with that
 ``AssertionError``. Fixed: equal logits, twice (the written values are served again after the next offload), or
-an error at the write that names the offloaded weight. The reference and the map's memory entries are on the
+an error at the write that names the offloaded weight. Replacing an offloaded weight with a new tensor
+(``replaced-weights``) is the same: upstream the hook loads the stored value over it at the next forward. The reference and the map's memory entries are on the
 execution device (``_device``); the writes are deterministic (no random init), so both devices agree bit for bit.
 """
 
@@ -101,6 +102,26 @@ def _edit_in_place(model: Any) -> None:
         model.model.layers[3].self_attn.q_proj.weight.data[:, :4] += 1.0
 
 
+def _replace(model: Any) -> None:
+    """Replace offloaded weights with new tensors, the two ways a program does (values on the execution device)."""
+    import torch
+
+    device = main_device()
+    head = model.lm_head.weight
+    model.lm_head.weight = torch.nn.Parameter(
+        torch.linspace(-0.05, 0.05, head.numel(), device=device).reshape(head.shape))
+    down = model.model.layers[3].mlp.down_proj.weight
+    model.load_state_dict({"model.layers.3.mlp.down_proj.weight": torch.full(down.shape, 0.01, device=device)},
+                          strict=False, assign=True)
+
+
+def _register_bias(model: Any) -> None:
+    import torch
+
+    model.model.layers[3].self_attn.q_proj.register_parameter(
+        "bias", torch.nn.Parameter(torch.linspace(0.0, 1.0, model.config.hidden_size, device=main_device())))
+
+
 def textual_inversion(workdir: Path) -> Dict[str, Any]:
     """cpu_offload, then a learned token's row written through ``embedding.weight.data[token] = learned``."""
     return _compare(workdir, _cpu_offloaded, _learn_token)
@@ -109,6 +130,17 @@ def textual_inversion(workdir: Path) -> Dict[str, Any]:
 def in_place_edits(workdir: Path) -> Dict[str, Any]:
     """from_pretrained with layer 3 and lm_head on disk, then in-place edits of their weights under no_grad."""
     return _compare(workdir, _disk_offloaded, _edit_in_place)
+
+
+def replaced_weights(workdir: Path) -> Dict[str, Any]:
+    """from_pretrained with layer 3 and lm_head on disk, then weights replaced: ``lm_head.weight = nn.Parameter(v)``,
+    ``load_state_dict(..., assign=True)``."""
+    return _compare(workdir, _disk_offloaded, _replace)
+
+
+def registered_bias(workdir: Path) -> Dict[str, Any]:
+    """The same placement, then a bias registered on an offloaded projection (which had none)."""
+    return _compare(workdir, _disk_offloaded, _register_bias)
 
 
 SCENARIOS = [
@@ -121,4 +153,13 @@ SCENARIOS = [
              "layer 3 and lm_head on disk, then torch.nn.init.zeros_, mul_, a row assigned and .data[:, :4] += 1 "
              "under no_grad: upstream every write is lost, silently",
              expected_error="AssertionError", expected_message="writes into the offloaded weights were lost"),
+    Scenario(PATCH_ID, "replaced-weights", f"{__name__}:replaced_weights",
+             "layer 3 and lm_head on disk, then lm_head.weight = nn.Parameter(v) and load_state_dict(..., "
+             "assign=True): upstream the hook loads the stored values over the new tensors at the next forward, "
+             "silently",
+             expected_error="AssertionError", expected_message="writes into the offloaded weights were lost"),
+    Scenario(PATCH_ID, "registered-bias", f"{__name__}:registered_bias",
+             "layer 3 on disk, then register_parameter('bias', ...) on its q_proj: upstream the next forward looks the "
+             "new tensor up in the hook's weights map, which never stored it",
+             expected_error="KeyError", expected_message="q_proj.bias"),
 ]

@@ -24,7 +24,7 @@ AFFECTED, WHY, _, _ = metapatch.registry.gate(PATCH)
 
 class TestThreeWay(ThreeWayCase):
     patch_ids = (PATCH.id,)
-    names = {PATCH.id: {"textual-inversion", "in-place-edits"}}
+    names = {PATCH.id: {"textual-inversion", "in-place-edits", "replaced-weights", "registered-bias"}}
 
     def check_patched(self, scenario, outcome):
         if AFFECTED:
@@ -345,3 +345,110 @@ def test_a_round_trip_of_a_tied_offloaded_head_converts_both_hooks(tmp_path, for
         m.lm_head.bfloat16().float()
     assert not torch.equal(_logits(reference), _logits(LlamaForCausalLM.from_pretrained(checkpoint).eval()))
     assert torch.equal(_logits(model), _logits(reference))
+
+
+# -- replacing an offloaded weight ---------------------------------------------------------------------------
+
+REPLACEMENTS = {
+    "parameter-assigned": lambda m: setattr(m.lm_head, "weight", torch.nn.Parameter(torch.full((128, 64), 0.02))),
+    "load-state-dict-assign": lambda m: m.load_state_dict(
+        {"model.layers.3.mlp.down_proj.weight": torch.linspace(-0.1, 0.1, 64 * 128).reshape(64, 128)},
+        strict=False, assign=True),
+    "registered-bias": lambda m: m.model.layers[1].self_attn.q_proj.register_parameter(
+        "bias", torch.nn.Parameter(torch.linspace(0.0, 1.0, 64))),
+    "another-shape": lambda m: setattr(m.lm_head, "weight", torch.nn.Parameter(torch.full((130, 64), -0.01))),
+    "inference-tensor": lambda m: setattr(m.model.layers[3].self_attn.o_proj, "weight",
+                                          torch.nn.Parameter(_inference_tensor((64, 64), 0.03), requires_grad=False)),
+}
+
+
+def _inference_tensor(shape, value):
+    with torch.inference_mode():
+        return torch.full(shape, value)
+
+
+@in_range
+@pytest.mark.parametrize("replacement", sorted(REPLACEMENTS))
+def test_a_replaced_offloaded_weight_is_what_the_next_forward_reads(checkpoint, tmp_path, replacement):
+    """``module.weight = nn.Parameter(v)``, ``load_state_dict(..., assign=True)``, a registered parameter: upstream the
+    hook loads the stored value over the new tensor (a registered one fails with KeyError); here the next forwards
+    read it, as the in-memory model's do, and the offload folder is never written."""
+    reference = _load(checkpoint)
+    model = _load(checkpoint, tmp_path / "offload")
+    before = _digests(tmp_path / "offload")
+    for m in (reference, model):
+        REPLACEMENTS[replacement](m)
+    expected = _logits(reference)
+    untouched = _logits(_load(checkpoint))
+    assert expected.shape != untouched.shape or not torch.equal(expected, untouched), "vacuous"
+    assert torch.equal(_logits(model), expected)
+    assert torch.equal(_logits(model), expected)  # served again after the next offload
+    assert _digests(tmp_path / "offload") == before
+
+
+@in_range
+def test_a_replacement_stays_the_programs_tensor_as_in_memory(checkpoint, tmp_path):
+    """In memory the module holds the assigned tensor itself: a later in-place write into it changes the model."""
+    reference = _load(checkpoint)
+    model = _load(checkpoint, tmp_path / "offload")
+    values = {}
+    for name, m in (("reference", reference), ("offloaded", model)):
+        values[name] = torch.full((128, 64), 0.02)
+        m.lm_head.weight = torch.nn.Parameter(values[name])
+        _logits(m)
+        values[name][7] = 1.5  # through the program's own tensor, after a forward
+    assert torch.equal(_logits(model), _logits(reference))
+
+
+@in_range
+def test_save_pretrained_writes_the_replaced_weights(checkpoint, tmp_path):
+    reference = _load(checkpoint)
+    model = _load(checkpoint, tmp_path / "offload")
+    for m in (reference, model):
+        REPLACEMENTS["parameter-assigned"](m)
+        REPLACEMENTS["load-state-dict-assign"](m)
+    _logits(model)  # once offloaded again, the replacement is a placeholder the hook serves
+    model.save_pretrained(tmp_path / "saved")
+    reloaded = _load(tmp_path / "saved")
+    for key, value in reference.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[key], value), key
+
+
+@in_range
+def test_replacing_a_tied_offloaded_weight_raises(tmp_path):
+    """Each hook serves its own copy of a tied weight: serving the replacement from one would leave the other on the
+    old value, which no tied in-memory model can be (a replaced one is untied). Refused at the next load."""
+    import accelerate
+    from metapatch.selftest._models import save_tiny_llama
+    from transformers import LlamaForCausalLM
+
+    checkpoint = save_tiny_llama(tmp_path / "tied", tie_word_embeddings=True)
+    model = LlamaForCausalLM.from_pretrained(checkpoint).eval()
+    accelerate.cpu_offload(model, execution_device="cpu")
+    model.lm_head.weight = torch.nn.Parameter(torch.zeros(128, 64))
+    with pytest.raises(OffloadedWriteError, match="tied"):
+        _logits(model)
+
+
+@in_range
+def test_a_forward_that_raised_leaves_nothing_taken_for_a_replacement(checkpoint, tmp_path):
+    """A forward that raises between accelerate's load and offload leaves the loaded tensors in place; the next load
+    must not keep them as the program's (a copy of every such weight held in memory for good)."""
+    from metapatch._offload.hook_state import offload_hook, weights_map_of
+    from metapatch._offload.store import Overlay
+
+    model = _load(checkpoint, tmp_path / "offload")
+    expected = _logits(model)
+    forward = model.lm_head._old_forward
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("out of memory, say")
+
+    model.lm_head._old_forward = failing
+    with pytest.raises(RuntimeError, match="out of memory"):
+        _logits(model)
+    model.lm_head._old_forward = forward
+    assert not model.lm_head.weight.is_meta  # left loaded: accelerate's post_forward never ran
+    assert torch.equal(_logits(model), expected)
+    served = weights_map_of(offload_hook(model.lm_head))
+    assert not isinstance(served, Overlay) or "weight" not in served.kept
