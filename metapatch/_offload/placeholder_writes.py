@@ -458,6 +458,16 @@ def note_loaded(module: Any, hook: Any) -> None:
             tensor.__dict__[HOOK_LOADED] = True
 
 
+_ADOPTED: List[Any] = []  # [WeakIdKeyDictionary: the program's trainable tensor -> "Module.name"], built on first use
+
+
+def adopted_trainable() -> Optional[Any]:
+    """The trainable tensors :func:`adopt_replacements` took from the program (each mapped to "Module.name"), or None
+    before the first: every forward loads a copy of such a tensor, so a gradient never reaches the program's object
+    (``offloaded-training-refusal`` refuses an optimizer step over one, as over a placeholder)."""
+    return _ADOPTED[0] if _ADOPTED else None
+
+
 def adopt_replacements(module: Any, hook: Any) -> None:
     """Before ``hook`` loads ``module``'s weights: a real tensor in a slot the hook fills, which no hook loaded,
     was put there by the program (``module.weight = nn.Parameter(value)``, ``register_parameter``,
@@ -492,3 +502,9 @@ def adopt_replacements(module: Any, hook: Any) -> None:
             with torch.inference_mode(False):
                 value = value.clone()
         overlay.kept[name] = value
+        if tensor.requires_grad:
+            if not _ADOPTED:
+                from torch.utils.weak import WeakIdKeyDictionary
+
+                _ADOPTED.append(WeakIdKeyDictionary())
+            _ADOPTED[0][tensor] = _describe(module, name)

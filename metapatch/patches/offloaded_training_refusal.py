@@ -21,6 +21,10 @@ anything is updated, naming the offloaded trainable weights and what to do: free
 (``requires_grad_(False)``), train adapters with PEFT over the offloaded base, or load with a placement that keeps
 the trainable tensors in memory.
 
+A trainable tensor the program put in place of an offloaded one (``module.weight = nn.Parameter(v)``; the offload
+store serves it from then on, ``offloaded-placeholder-writes``) is the same case: each forward loads a copy of it,
+and the gradient never reaches the program's object; a step over it raises too.
+
 Left alone: an optimizer with no such parameter (nothing offloaded, a frozen offloaded base under PEFT adapters,
 an optimizer built over a model on meta that ``to_empty()`` materialised: byte-equal updates, the pre-hook returns
 without touching anything); a meta parameter that has a gradient (a shape-only dry run on meta). Not seen: an
@@ -37,6 +41,7 @@ import weakref
 from typing import Any, Dict, List, Tuple
 
 from metapatch._framework.records import MetapatchError, Patch, Target, Upstream
+from metapatch._offload.placeholder_writes import adopted_trainable
 
 PATCH_ID = "offloaded-training-refusal"
 
@@ -160,9 +165,11 @@ def _before_step(optimizer: Any, args: tuple, kwargs: dict) -> None:
     count = sum(len(group["params"]) for group in groups)
     if _CHECKED.get(optimizer) == count or not _installed():
         return None
+    adopted = adopted_trainable() or {}
     candidates = [p for group in groups for p in group["params"]
-                  if p.requires_grad and p.is_meta and p.grad is None]
-    names = _offloaded_in(candidates) if candidates else []
+                  if p.requires_grad and p.grad is None and (p.is_meta or p in adopted)]
+    names = (_offloaded_in([p for p in candidates if p.is_meta])
+             + [f"{adopted[p]} (a tensor put in place of the offloaded one)" for p in candidates if not p.is_meta])
     if not names:
         _CHECKED[optimizer] = count
         return None

@@ -120,6 +120,24 @@ def test_a_head_resized_over_the_offload_is_refused_by_name(checkpoint, tmp_path
         optimizer.step()
 
 
+@in_range
+def test_a_trainable_tensor_put_in_place_of_an_offloaded_one_is_refused(checkpoint, tmp_path):
+    """``lm_head.weight = nn.Parameter(v)`` on an offloaded head: the offload store serves the new tensor from then on
+    (offloaded-placeholder-writes), but each forward loads a copy of it, so the gradient never reaches the program's
+    object; in memory it trains. Upstream (and before this check) the step left it untrained, silently."""
+    model = _load(checkpoint, tmp_path / "offload")
+    for param in model.parameters():
+        param.requires_grad_(False)
+    head = torch.nn.Parameter(torch.full(tuple(model.lm_head.weight.shape), 0.01))
+    model.lm_head.weight = head
+    optimizer = torch.optim.SGD([head], lr=0.1)
+    _loss(model).backward()
+    assert head.grad is None  # the case under test: the gradient went to the loaded copy
+    with pytest.raises(MetapatchError, match=r"SGD\.step\(\) over 1 trainable parameter.*Linear\.weight \(a tensor put"):
+        optimizer.step()
+    assert torch.equal(head, torch.full(tuple(head.shape), 0.01))
+
+
 def _train_steps(model, params, steps=3):
     optimizer = torch.optim.AdamW(params, lr=1e-2)
     seen = []
