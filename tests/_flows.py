@@ -505,6 +505,17 @@ def make_machine(inits: tuple = INITS):
             self._both(f"replace {weight} ({how})", lambda m: _replace(m, weight, how))
 
         @precondition(lambda self: not self.done)
+        @rule()
+        def deep_copy(self) -> None:
+            """Go on with deep copies of both models (``copy.deepcopy``: how a reference model for DPO/PPO is made):
+            the offloaded copy's hooks and stores are its own, and it must behave as the in-memory copy."""
+            import copy
+
+            pair = self._both("copy.deepcopy", copy.deepcopy)
+            if pair is not None:
+                self.ref, self.off = pair
+
+        @precondition(lambda self: not self.done)
         @rule(chain=st.sampled_from(["bf16-fp32", "half-float"]), scope=st.sampled_from(["model", "layers.1",
                                                                                         "lm_head"]))
         def convert(self, chain: str, scope: str) -> None:

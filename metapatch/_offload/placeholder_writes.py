@@ -107,7 +107,21 @@ def record_tie(module: Any, name: str, other: Any, other_name: str) -> None:
     for (owner, local), (partner, partner_name) in (((module, name), (other, other_name)),
                                                    ((other, other_name), (module, name))):
         owner.__dict__[TIED_MARK] = frozenset(owner.__dict__.get(TIED_MARK, ())) | {local}
-        owner.__dict__.setdefault(PARTNERS, {})[local] = (weakref.ref(partner), partner_name)
+        owner.__dict__.setdefault(PARTNERS, _Partners())[local] = (weakref.ref(partner), partner_name)
+
+
+class _Partners(dict):
+    """A module's tie partners (:data:`PARTNERS`). A deep copy of the model maps them to the partners' copies (copied
+    before this module), and leaves out the others: a copy must never share a placeholder with the original."""
+
+    def __deepcopy__(self, memo: Any) -> "_Partners":
+        copied = _Partners()
+        for name, (ref, partner_name) in self.items():
+            partner = ref()
+            partner_copy = memo.get(id(partner)) if partner is not None else None
+            if partner_copy is not None:
+                copied[name] = (weakref.ref(partner_copy), partner_name)
+        return copied
 
 
 def mark(module: Any, hook: Any) -> None:
@@ -378,6 +392,15 @@ def _build_classes() -> Tuple[Any, Any]:
         def __deepcopy__(self, memo: Any) -> Any:
             copied = torch.nn.Parameter(torch.empty_like(self.detach()), self.requires_grad)
             memo[id(self)] = copied
+            # A deep copy of the model (a reference model for DPO/PPO): the copy of the module this placeholder
+            # stands for is in memo already (copy makes the module before its parameters), and its copied hook serves
+            # the copy. Marked for it, a write into the copy reaches the copy's store, as in memory.
+            ref, name = self.__dict__.get(SLOT, (None, ""))
+            module = ref() if ref is not None else None
+            module_copy = memo.get(id(module)) if module is not None else None
+            if module_copy is not None:
+                copied.__class__ = type(self)
+                copied.__dict__[SLOT] = (weakref.ref(module_copy), name)
             return copied
 
         def __reduce_ex__(self, protocol: Any) -> Any:
