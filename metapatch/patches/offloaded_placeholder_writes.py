@@ -31,7 +31,13 @@ Not seen: writes into buffers (offloaded with ``offload_buffers=True``), into a 
 ``.detach()`` from a placeholder, through ``split``/``unbind``/``chunk`` results, into 4-bit ``Params4bit``
 placeholders (their own class), or into placeholders of hooks attached before metapatch was imported until
 their next forward; in-place *functions* given the placeholder (``torch.relu_(w)``, ``out=w``,
-``torch._foreach_*``): only methods are overridden.
+``torch._foreach_*``): only methods are overridden. A parametrization registered on an offloaded module
+(``weight_norm``, ``spectral_norm``, ``orthogonal``) takes the placeholder as its original: upstream the module
+then computes with meta values, silently wrong (``weight_norm``, ``spectral_norm``: logits off by 1e11 and more on
+torch 2.13's CPU); with the placeholder marked the registration raises: ``OffloadedWriteError`` for
+``spectral_norm`` and ``orthogonal`` (they write a meta value into it), and for ``weight_norm`` torch's own
+``RuntimeError`` naming ``OffloadedPlaceholder`` (torch refuses to make a parameter of a subclass whose ``detach``
+returns a plain tensor). Register it before dispatching the model, or keep that module in memory.
 """
 
 from __future__ import annotations

@@ -492,3 +492,17 @@ def test_a_deep_copy_of_a_tied_offloaded_model_never_shares_the_original_s_place
     with pytest.raises(OffloadedWriteError, match="tied"):
         duplicate.model.embed_tokens.weight.data[3] = torch.ones(64)
     assert torch.equal(_logits(duplicate), _logits(reference))
+
+
+@in_range
+@pytest.mark.parametrize("parametrization", ["weight_norm", "spectral_norm", "orthogonal"])
+def test_a_parametrization_of_an_offloaded_weight_is_refused_at_registration(checkpoint, tmp_path, parametrization):
+    """Its original would be the meta placeholder: upstream the module then computes garbage, silently (weight_norm,
+    spectral_norm) or fails in the forward (orthogonal). Refused where it is registered; the model is unchanged."""
+    from torch.nn.utils import parametrizations
+
+    model = _load(checkpoint, tmp_path / "offload")
+    untouched = _logits(model)
+    with pytest.raises((OffloadedWriteError, RuntimeError), match="offloaded weight|OffloadedPlaceholder"):
+        getattr(parametrizations, parametrization)(model.lm_head)
+    assert torch.equal(_logits(model), untouched)
