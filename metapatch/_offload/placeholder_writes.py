@@ -472,13 +472,32 @@ def _slot_tensors(module: Any, hook: Any) -> List[Tuple[str, Any]]:
     return hook_tensors(module, hook)
 
 
+_LOADED_OTHERS: List[Any] = []  # [WeakIdKeyDictionary: a loaded tensor of a quantized class -> True], built on first use
+
+
 def note_loaded(module: Any, hook: Any) -> None:
-    """After ``hook`` loaded ``module``'s weights: tag them as the hook's (see :func:`adopt_replacements`)."""
-    from metapatch._offload.store import HOOK_LOADED
+    """After ``hook`` loaded ``module``'s weights: tag them as the hook's (see :func:`adopt_replacements`). A plain
+    tensor carries the tag in its ``__dict__``; a quantized class (``Params4bit``) is remembered by identity instead:
+    accelerate rebuilds one with its ``__dict__`` as keyword arguments, which bitsandbytes < 0.50 refuses."""
+    from metapatch._offload.store import HOOK_LOADED, plain_tensor
 
     for _, tensor in _slot_tensors(module, hook):
-        if not tensor.is_meta:
+        if tensor.is_meta:
+            continue
+        if plain_tensor(tensor):
             tensor.__dict__[HOOK_LOADED] = True
+        else:
+            if not _LOADED_OTHERS:
+                from torch.utils.weak import WeakIdKeyDictionary
+
+                _LOADED_OTHERS.append(WeakIdKeyDictionary())
+            _LOADED_OTHERS[0][tensor] = True
+
+
+def _hook_loaded(tensor: Any) -> bool:
+    from metapatch._offload.store import HOOK_LOADED
+
+    return HOOK_LOADED in tensor.__dict__ or bool(_LOADED_OTHERS and tensor in _LOADED_OTHERS[0])
 
 
 _ADOPTED: List[Any] = []  # [WeakIdKeyDictionary: the program's trainable tensor -> "Module.name"], built on first use
@@ -497,12 +516,12 @@ def adopt_replacements(module: Any, hook: Any) -> None:
     ``load_state_dict(..., assign=True)``): the hook serves it from now on, as the in-memory module computes with
     it. Kept as it is (on its device, its storage shared), so a later write into the program's tensor reaches the
     next forward too; an inference tensor is copied (accelerate cannot make a parameter of one)."""
-    from metapatch._offload.store import HOOK_LOADED, TIED_MARK, held, overlay_of, plain_tensor
+    from metapatch._offload.store import TIED_MARK, held, overlay_of, plain_tensor
 
     if held(hook) or weights_map_of(hook) is None:
         return
     replaced = [(name, tensor) for name, tensor in _slot_tensors(module, hook)
-                if not tensor.is_meta and HOOK_LOADED not in tensor.__dict__]
+                if not tensor.is_meta and not _hook_loaded(tensor)]
     if not replaced:
         return
     tied = set(getattr(hook, "tied_params_names", None) or ()) | set(module.__dict__.get(TIED_MARK, ()))
