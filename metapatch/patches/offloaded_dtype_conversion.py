@@ -22,7 +22,9 @@ conversion`), the dtype every offloaded tensor whose placeholder it converted wa
 weights map (an ``Overlay``) then serves ``stored.to(d1).to(d2)...`` per read, one tensor at a time, so
 logits, ``save_pretrained`` and ``state_dict()`` dtypes equal the in-memory model's. Nothing is loaded as a
 whole and no file is written. A conversion called on a submodule below the module its hook sits on (a part
-of an offloaded block) is not seen: only placeholders under the converted module's own hooks are recorded.
+of an offloaded block) is not seen: only placeholders under the converted module's own hooks are recorded. The
+methods put on the model are objects a deep copy of the model binds to the copy (a closure would keep converting
+the original).
 """
 
 from __future__ import annotations
@@ -60,17 +62,40 @@ def _moves_nothing(model: Any, device: Any) -> bool:
     return all(_normalised(torch, t.device) == device for t in (*model.parameters(), *model.buffers()) if not t.is_meta)
 
 
-def conversion_to(model: Any, guard: Any) -> Any:
-    """A ``to`` for ``model`` that converts without moving, and leaves moves to accelerate's ``guard``."""
-    original = guard.__wrapped__
+class _OnModel:
+    """A method put on one model instance (its ``__dict__``). A callable object rather than a closure: a deep copy
+    of the model (``copy.deepcopy``, how a reference model for DPO/PPO is made) copies it bound to the copy (the
+    model is in ``memo`` before its ``__dict__``), where a closure would keep converting the original (measured:
+    ``copy.to(torch.bfloat16)`` converted the original model's offloaded weights and left the copy's alone)."""
 
-    def to(*args: Any, **kwargs: Any) -> Any:
+    _accelerate_added_attribute = True  # removed with the hooks (remove_hook_from_module), as accelerate's guard is
+
+    def __init__(self, model: Any, wrapped: Any) -> None:
+        self.model = model
+        self.__wrapped__ = wrapped
+        setattr(self, _MARK, True)
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        import copy
+
+        copied = copy.copy(self)
+        copied.model = memo.get(id(self.model), self.model)
+        copied.__wrapped__ = copy.deepcopy(self.__wrapped__, memo)  # a bound method: bound to the copy
+        return copied
+
+
+class _ConversionTo(_OnModel):
+    """A ``to`` for ``model`` that converts without moving, and leaves moves to accelerate's guard (``__wrapped__``:
+    it refuses them as upstream)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         torch = sys.modules["torch"]
+        guard = self.__wrapped__
         try:
             device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
         except Exception:
             return guard(*args, **kwargs)  # bad arguments: accelerate/torch raise their own error
-        if device is not None and not _moves_nothing(model, device):
+        if device is not None and not _moves_nothing(self.model, device):
             return guard(*args, **kwargs)  # a real move: refused as upstream
         convert = {}
         if dtype is not None:
@@ -78,29 +103,28 @@ def conversion_to(model: Any, guard: Any) -> Any:
         if memory_format is not None:
             convert["memory_format"] = memory_format
         if not convert:
-            return model
-        with conversion(model):
-            return original(**convert)
+            return self.model
+        with conversion(self.model):
+            return type(self.model).to(self.model, **convert)
 
-    to.__wrapped__ = guard
-    setattr(to, _MARK, True)
-    to._accelerate_added_attribute = True  # removed with the hooks (remove_hook_from_module), as the guard is
-    return to
+
+class _Converting(_OnModel):
+    """``model.<method>`` (``half``, ``float``, ...: accelerate does not guard them), converting the offloaded
+    tensors' stored values too (``__wrapped__``: the model's own method)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with conversion(self.model):
+            return self.__wrapped__(*args, **kwargs)
+
+
+def conversion_to(model: Any, guard: Any) -> Any:
+    """A ``to`` for ``model`` that converts without moving, and leaves moves to accelerate's ``guard``."""
+    return _ConversionTo(model, guard)
 
 
 def converting(model: Any, method: str) -> Any:
-    """``model.<method>`` (``half``, ``float``, ...: accelerate does not guard them), converting the
-    offloaded tensors' stored values too."""
-    original = getattr(type(model), method).__get__(model)
-
-    def convert(*args: Any, **kwargs: Any) -> Any:
-        with conversion(model):
-            return original(*args, **kwargs)
-
-    convert.__wrapped__ = original
-    setattr(convert, _MARK, True)
-    convert._accelerate_added_attribute = True
-    return convert
+    """``model.<method>``, converting the offloaded tensors' stored values too."""
+    return _Converting(model, getattr(type(model), method).__get__(model))
 
 
 _CONVERSIONS = ("half", "float", "bfloat16", "double")

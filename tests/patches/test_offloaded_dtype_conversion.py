@@ -103,6 +103,29 @@ def test_conversion_chains_keep_every_lossy_step(tmp_path, chain):
         assert got.dtype == torch.float32 and torch.equal(got, reference.state_dict()[name])
 
 
+@pytest.mark.skipif(not AFFECTED, reason=f"not affected here: {WHY}")
+@pytest.mark.parametrize("chain", ["to-bf16-float", "half-double-float"])
+def test_a_deep_copy_converts_itself_and_not_the_original(tmp_path, chain):
+    """``copy.deepcopy`` (a reference model for DPO/PPO) copies the conversion methods bound to the copy: the flow
+    tester found ``copy.to(torch.bfloat16)`` converting the original's offloaded weights and not the copy's."""
+    import copy
+
+    from metapatch.selftest._models import input_ids
+
+    reference, model = _pair(tmp_path, {"model.embed_tokens": "cpu", "model.layers.0": "disk",
+                                        "model.layers.1": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu",
+                                        "lm_head": "disk"})
+    with torch.no_grad():
+        untouched = model(input_ids()).logits
+    copies = [copy.deepcopy(reference), copy.deepcopy(model)]
+    for duplicate in copies:
+        assert _CHAINS[chain](duplicate) is duplicate
+    with torch.no_grad():
+        assert torch.equal(copies[1](input_ids()).logits, copies[0](input_ids()).logits)
+        assert not torch.equal(copies[1](input_ids()).logits, untouched)
+        assert torch.equal(model(input_ids()).logits, untouched)  # the original is as it was
+
+
 def test_nothing_offloaded_converts_as_upstream(tmp_path):
     """Without offload nothing is installed: the chain is torch's own, byte-equal to the in-memory model."""
     from metapatch.selftest._models import input_ids
