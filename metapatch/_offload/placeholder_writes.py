@@ -41,6 +41,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from metapatch._framework.records import MetapatchError
 from metapatch._offload.hook_state import offload_hook, weights_map_of
+from metapatch._offload.store import HOOK_LOADED, held, plain_tensor
 
 SLOT = "_metapatch_placeholder_of"  # in a marked placeholder's __dict__: (weakref to module, local dotted name)
 PARTNERS = "_metapatch_tie_partners"  # in a module's __dict__: {name: (weakref to the tied module, its name)}
@@ -472,19 +473,28 @@ def _slot_tensors(module: Any, hook: Any) -> List[Tuple[str, Any]]:
     return hook_tensors(module, hook)
 
 
+# The plain tensor classes (torch's), filled on first use: a type check per loaded tensor and forward instead of
+# plain_tensor's import.
+_PLAIN: set = set()
 _LOADED_OTHERS: List[Any] = []  # [WeakIdKeyDictionary: a loaded tensor of a quantized class -> True], built on first use
+
+
+def _plain_classes() -> None:
+    import torch
+
+    _PLAIN.update((torch.nn.Parameter, torch.Tensor))
 
 
 def note_loaded(module: Any, hook: Any) -> None:
     """After ``hook`` loaded ``module``'s weights: tag them as the hook's (see :func:`adopt_replacements`). A plain
     tensor carries the tag in its ``__dict__``; a quantized class (``Params4bit``) is remembered by identity instead:
     accelerate rebuilds one with its ``__dict__`` as keyword arguments, which bitsandbytes < 0.50 refuses."""
-    from metapatch._offload.store import HOOK_LOADED, plain_tensor
-
+    if not _PLAIN:
+        _plain_classes()
     for _, tensor in _slot_tensors(module, hook):
         if tensor.is_meta:
             continue
-        if plain_tensor(tensor):
+        if type(tensor) in _PLAIN or plain_tensor(tensor):
             tensor.__dict__[HOOK_LOADED] = True
         else:
             if not _LOADED_OTHERS:
@@ -495,8 +505,6 @@ def note_loaded(module: Any, hook: Any) -> None:
 
 
 def _hook_loaded(tensor: Any) -> bool:
-    from metapatch._offload.store import HOOK_LOADED
-
     return HOOK_LOADED in tensor.__dict__ or bool(_LOADED_OTHERS and tensor in _LOADED_OTHERS[0])
 
 
@@ -516,14 +524,13 @@ def adopt_replacements(module: Any, hook: Any) -> None:
     ``load_state_dict(..., assign=True)``): the hook serves it from now on, as the in-memory module computes with
     it. Kept as it is (on its device, its storage shared), so a later write into the program's tensor reaches the
     next forward too; an inference tensor is copied (accelerate cannot make a parameter of one)."""
-    from metapatch._offload.store import TIED_MARK, held, overlay_of, plain_tensor
-
-    if held(hook) or weights_map_of(hook) is None:
+    if held(hook):
         return
     replaced = [(name, tensor) for name, tensor in _slot_tensors(module, hook)
                 if not tensor.is_meta and not _hook_loaded(tensor)]
-    if not replaced:
+    if not replaced or weights_map_of(hook) is None:
         return
+    from metapatch._offload.store import TIED_MARK, overlay_of
     tied = set(getattr(hook, "tied_params_names", None) or ()) | set(module.__dict__.get(TIED_MARK, ()))
     for name, tensor in replaced:
         if name in tied:
