@@ -506,3 +506,21 @@ def test_a_parametrization_of_an_offloaded_weight_is_refused_at_registration(che
     with pytest.raises((OffloadedWriteError, RuntimeError), match="offloaded weight|OffloadedPlaceholder"):
         getattr(parametrizations, parametrization)(model.lm_head)
     assert torch.equal(_logits(model), untouched)
+
+
+@in_range
+def test_a_conversion_below_the_module_a_hook_sits_on_keeps_its_lossy_step(checkpoint, tmp_path):
+    """One hook for a whole decoder layer (``place_submodules=True``), its MLP converted bf16 -> fp32: torch sets the
+    layer hook's placeholders' ``.data``, and the store serves the stored values through the same dtypes."""
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    reference = _load(checkpoint)
+    model = _load(checkpoint)
+    layer = model.model.layers[2]
+    add_hook_to_module(layer, AlignDevicesHook(execution_device="cpu", offload=True, place_submodules=True,
+                                               weights_map=dict(layer.state_dict())))
+    assert layer.mlp.down_proj.weight.is_meta
+    for m in (reference, model):
+        m.model.layers[2].mlp.to(torch.bfloat16).to(torch.float32)
+    assert not torch.equal(_logits(reference), _logits(_load(checkpoint))), "the round trip changed nothing"
+    assert torch.equal(_logits(model), _logits(reference))
