@@ -116,9 +116,12 @@ def _dtype_flow(ctx: Dict[str, Any], helpers: Dict[str, Callable[..., Any]], dty
     helpers["free"]()
     model = cls.from_pretrained(checkpoint, device_map=device_map, **kw,
                                 offload_folder=os.path.join(ctx["workdir"], f"offload-{str(dtype)[6:]}")).eval()
+    why = _exact(helpers["logits"](model, inputs), expected["logits"])
+    tokens = helpers["generate"](model, inputs)
+    # Compared after the same calls as the in-memory model's: a forward may convert a module for good
+    # (SwitchTransformers' router puts its classifier in float32 inside its forward).
     dtypes = {n: p.dtype for n, p in model.named_parameters()}
     differing = sorted(n for n in expected["dtypes"] if dtypes.get(n) != expected["dtypes"][n])
-    why = _exact(helpers["logits"](model, inputs), expected["logits"])
     if differing:
         name = differing[0]
         return {"status": "wrong", "detail": f"{len(differing)} parameter dtype(s) differ: {name} is "
@@ -126,7 +129,6 @@ def _dtype_flow(ctx: Dict[str, Any], helpers: Dict[str, Callable[..., Any]], dty
                                              f"{why or 'logits equal'}"}
     if why:
         return {"status": "wrong", "detail": why}
-    tokens = helpers["generate"](model, inputs)
     if tokens.shape != expected["tokens"].shape or not bool((tokens == expected["tokens"]).all()):
         return {"status": "wrong", "detail": f"generate gave {tokens.tolist()} != {expected['tokens'].tolist()}"}
     return {"status": "ok", "detail": "equal"}
