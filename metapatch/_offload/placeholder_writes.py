@@ -22,14 +22,7 @@ placeholder whose module no longer serves it raises
 :class:`~metapatch._offload.offloaded_weights.OffloadedWriteError` naming the tensor; nothing is kept
 then. Reads through ``.data`` stay meta, as upstream.
 
-Replacing the placeholder is a write too: ``module.weight = nn.Parameter(value)``, ``register_parameter``,
-``load_state_dict(..., assign=True)``. In memory the module computes with the new tensor from then on;
-upstream the hook's next load puts the stored value over it, silently (and a tensor the hook never stored, a
-bias registered after dispatch, fails that load with ``KeyError``). :func:`adopt_replacements` runs before every
-load of an offloaded module's weights (its forward, and every reader that loads them through the hook) and
-keeps such a tensor for the hook to serve: the tensor itself, so a later write into it shows, as in memory.
-A replacement of a tied weight (the hook's partner would keep the old one) or of a tensor class the store
-cannot keep (a quantized one) raises :class:`~metapatch._offload.offloaded_weights.OffloadedWriteError`.
+Replacing the placeholder (``module.weight = nn.Parameter(v)``) is :mod:`metapatch._offload.replaced_weights`.
 
 Nothing here imports torch or accelerate at import time.
 """
@@ -41,7 +34,6 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from metapatch._framework.records import MetapatchError
 from metapatch._offload.hook_state import offload_hook, weights_map_of
-from metapatch._offload.store import HOOK_LOADED, held, plain_tensor
 
 SLOT = "_metapatch_placeholder_of"  # in a marked placeholder's __dict__: (weakref to module, local dotted name)
 PARTNERS = "_metapatch_tie_partners"  # in a module's __dict__: {name: (weakref to the tied module, its name)}
@@ -161,13 +153,13 @@ def _share_tied_placeholders(module: Any, partners: Dict[str, Any], cls: Any) ->
 # -- the write ------------------------------------------------------------------------------------
 
 
-def _error(message: str) -> Exception:
+def write_error(message: str) -> Exception:
     from metapatch._offload.offloaded_weights import OffloadedWriteError
 
     return OffloadedWriteError(message)
 
 
-def _describe(module: Any, name: str) -> str:
+def describe(module: Any, name: str) -> str:
     return f"{type(module).__name__}.{name}"
 
 
@@ -181,18 +173,18 @@ def _owner(placeholder: Any, tied_ok: bool = False) -> Tuple[Any, str, Any]:
     for part in path:
         holder = getattr(holder, "_modules", {}).get(part)
     if holder is None or holder._parameters.get(local) is not placeholder:
-        raise _error(f"metapatch: a write into an offloaded weight's meta placeholder ({tuple(placeholder.shape)}) "
+        raise write_error(f"metapatch: a write into an offloaded weight's meta placeholder ({tuple(placeholder.shape)}) "
                      f"whose module no longer serves it: the value would go nowhere. Write into the parameter the "
                      f"model holds now (getattr(module, name)).")
     hook = offload_hook(module)
     if hook is None:
-        raise _error(f"metapatch: a write into {_describe(module, name)}, a meta placeholder no accelerate offload "
+        raise write_error(f"metapatch: a write into {describe(module, name)}, a meta placeholder no accelerate offload "
                      f"hook serves any more: the value would go nowhere.")
     tied = set(getattr(hook, "tied_params_names", None) or ())
     from metapatch._offload.store import TIED_MARK
 
     if not tied_ok and (name in tied or name in module.__dict__.get(TIED_MARK, ())):
-        raise _error(f"metapatch: a write into {_describe(module, name)}, an offloaded weight tied to another "
+        raise write_error(f"metapatch: a write into {describe(module, name)}, an offloaded weight tied to another "
                      f"module's: accelerate serves each tied copy from its own hook, so keeping the write here "
                      f"would leave the other with the old value. Write before dispatching the model, or keep the "
                      f"tied modules in memory (device_map).")
@@ -228,7 +220,7 @@ class _Materialised:
 
         for placeholder, value, name, hook, _ in self.values.values():
             if value.shape != placeholder.shape or value.dtype != placeholder.dtype:
-                raise _error(f"metapatch: a write that changes the shape or dtype of an offloaded weight's "
+                raise write_error(f"metapatch: a write that changes the shape or dtype of an offloaded weight's "
                              f"placeholder ({name}: {tuple(placeholder.shape)} {placeholder.dtype} -> "
                              f"{tuple(value.shape)} {value.dtype}); the offload hook serves the placeholder's shape. "
                              f"Replace the module (or keep it in memory with the device_map) instead.")
@@ -264,7 +256,7 @@ def _assign(placeholder: Any, value: Any) -> None:
 
     module, name, hook = _owner(placeholder)
     if value.shape != placeholder.shape or value.dtype != placeholder.dtype:
-        raise _error(f"metapatch: {_describe(module, name)}.data = a tensor of another shape or dtype "
+        raise write_error(f"metapatch: {describe(module, name)}.data = a tensor of another shape or dtype "
                      f"({tuple(value.shape)} {value.dtype}, the offloaded weight is {tuple(placeholder.shape)} "
                      f"{placeholder.dtype}); the offload hook serves the placeholder's shape. Replace the module (or "
                      f"keep it in memory with the device_map) instead.")
@@ -294,7 +286,7 @@ def _write(func: Any, args: tuple, kwargs: dict) -> Any:
             return view
         if isinstance(value, torch.Tensor):
             if value.is_meta:
-                raise _error("metapatch: a write into an offloaded weight's placeholder from a tensor on the meta "
+                raise write_error("metapatch: a write into an offloaded weight's placeholder from a tensor on the meta "
                              "device (itself a placeholder, or computed from one): its values are unknown here. "
                              "Read the value inside a forward, or from the in-memory model.")
             return value.to("cpu") if value.device.type != "cpu" and value.dim() > 0 else value
@@ -459,101 +451,3 @@ def _is_write_method(name: str) -> bool:
         return name not in ("__init__", "__index__", "__invert__", "__iter__")
     return name.endswith("_") and not name.endswith("__") and name not in _NOT_WRITES
 
-
-# -- a replaced placeholder ---------------------------------------------------------------------------
-
-
-def _slot_tensors(module: Any, hook: Any) -> List[Tuple[str, Any]]:
-    """(name, tensor) of what ``hook`` loads into ``module``: its own parameters in the common case, without
-    building accelerate's list (this runs at every load)."""
-    if not hook.place_submodules and not hook.offload_buffers:
-        return [(name, tensor) for name, tensor in module._parameters.items() if tensor is not None]
-    from metapatch._offload.store import hook_tensors
-
-    return hook_tensors(module, hook)
-
-
-# The plain tensor classes (torch's), filled on first use: a type check per loaded tensor and forward instead of
-# plain_tensor's import.
-_PLAIN: set = set()
-_LOADED_OTHERS: List[Any] = []  # [WeakIdKeyDictionary: a loaded tensor of a quantized class -> True], built on first use
-
-
-def _plain_classes() -> None:
-    import torch
-
-    _PLAIN.update((torch.nn.Parameter, torch.Tensor))
-
-
-def note_loaded(module: Any, hook: Any) -> None:
-    """After ``hook`` loaded ``module``'s weights: tag them as the hook's (see :func:`adopt_replacements`). A plain
-    tensor carries the tag in its ``__dict__``; a quantized class (``Params4bit``) is remembered by identity instead:
-    accelerate rebuilds one with its ``__dict__`` as keyword arguments, which bitsandbytes < 0.50 refuses."""
-    if not _PLAIN:
-        _plain_classes()
-    for _, tensor in _slot_tensors(module, hook):
-        if tensor.is_meta:
-            continue
-        if type(tensor) in _PLAIN or plain_tensor(tensor):
-            tensor.__dict__[HOOK_LOADED] = True
-        else:
-            if not _LOADED_OTHERS:
-                from torch.utils.weak import WeakIdKeyDictionary
-
-                _LOADED_OTHERS.append(WeakIdKeyDictionary())
-            _LOADED_OTHERS[0][tensor] = True
-
-
-def _hook_loaded(tensor: Any) -> bool:
-    return HOOK_LOADED in tensor.__dict__ or bool(_LOADED_OTHERS and tensor in _LOADED_OTHERS[0])
-
-
-_ADOPTED: List[Any] = []  # [WeakIdKeyDictionary: the program's trainable tensor -> "Module.name"], built on first use
-
-
-def adopted_trainable() -> Optional[Any]:
-    """The trainable tensors :func:`adopt_replacements` took from the program (each mapped to "Module.name"), or None
-    before the first: every forward loads a copy of such a tensor, so a gradient never reaches the program's object
-    (``offloaded-training-refusal`` refuses an optimizer step over one, as over a placeholder)."""
-    return _ADOPTED[0] if _ADOPTED else None
-
-
-def adopt_replacements(module: Any, hook: Any) -> None:
-    """Before ``hook`` loads ``module``'s weights: a real tensor in a slot the hook fills, which no hook loaded,
-    was put there by the program (``module.weight = nn.Parameter(value)``, ``register_parameter``,
-    ``load_state_dict(..., assign=True)``): the hook serves it from now on, as the in-memory module computes with
-    it. Kept as it is (on its device, its storage shared), so a later write into the program's tensor reaches the
-    next forward too; an inference tensor is copied (accelerate cannot make a parameter of one)."""
-    if held(hook):
-        return
-    replaced = [(name, tensor) for name, tensor in _slot_tensors(module, hook)
-                if not tensor.is_meta and not _hook_loaded(tensor)]
-    if not replaced or weights_map_of(hook) is None:
-        return
-    from metapatch._offload.store import TIED_MARK, overlay_of
-    tied = set(getattr(hook, "tied_params_names", None) or ()) | set(module.__dict__.get(TIED_MARK, ()))
-    for name, tensor in replaced:
-        if name in tied:
-            raise _error(f"metapatch: {_describe(module, name)} was replaced by a new tensor, and it is an offloaded "
-                         f"weight tied to another module's: accelerate serves each tied copy from its own hook, so "
-                         f"the other would keep the old value. Replace it before dispatching the model, untie it, or "
-                         f"keep the tied modules in memory (device_map).")
-        if not plain_tensor(tensor):
-            raise _error(f"metapatch: {_describe(module, name)} of an offloaded module was replaced by a "
-                         f"{type(tensor).__name__}, a tensor class the offload store cannot keep; the offload hook "
-                         f"would load the old value over it. Keep that module in memory (device_map).")
-    import torch
-
-    overlay = overlay_of(hook)
-    for name, tensor in replaced:
-        value = tensor.detach()
-        if value.is_inference():
-            with torch.inference_mode(False):
-                value = value.clone()
-        overlay.kept[name] = value
-        if tensor.requires_grad:
-            if not _ADOPTED:
-                from torch.utils.weak import WeakIdKeyDictionary
-
-                _ADOPTED.append(WeakIdKeyDictionary())
-            _ADOPTED[0][tensor] = _describe(module, name)

@@ -87,7 +87,7 @@ class Overlay(Mapping):
 TIED_MARK = "_metapatch_tied_tensors"  # on a module: names of its tensors tied to another module's
 # On a tensor an offload hook loaded into its module (or metapatch stood in for it): never the program's own, so
 # a later load that finds it still there (a forward that raised before its post_forward, a re-entered module)
-# does not take it for a replacement (placeholder_writes.adopt_replacements).
+# does not take it for a replacement (replaced_weights.adopt_replacements).
 HOOK_LOADED = "_metapatch_hook_loaded"
 
 

@@ -21,9 +21,10 @@ conversion bookkeeping. Each conversion records, in the offload store (:func:`me
 conversion`), the dtype every offloaded tensor whose placeholder it converted was converted to; the hook's
 weights map (an ``Overlay``) then serves ``stored.to(d1).to(d2)...`` per read, one tensor at a time, so
 logits, ``save_pretrained`` and ``state_dict()`` dtypes equal the in-memory model's. Nothing is loaded as a
-whole and no file is written. A conversion called on a submodule below the module its hook sits on (a part
-of an offloaded block) is not seen: only placeholders under the converted module's own hooks are recorded. The
-methods put on the model are objects a deep copy of the model binds to the copy (a closure would keep converting
+whole and no file is written. A conversion of a submodule below the module its hook sits on (a part of an
+offloaded block) is recorded where torch sets the marked placeholder's ``.data`` (``offloaded-placeholder-writes``);
+this patch's own bookkeeping sees the placeholders under the converted module's own hooks. The methods put on the
+model are objects a deep copy of the model binds to the copy (a closure would keep converting
 the original).
 """
 

@@ -45,7 +45,8 @@ from __future__ import annotations
 from typing import Any
 
 from metapatch._framework.records import Patch, Target, Upstream
-from metapatch._offload.placeholder_writes import adopt_replacements, mark, note_loaded, note_ties
+from metapatch._offload.placeholder_writes import mark, note_ties
+from metapatch._offload.replaced_weights import adopt_replacements, note_loaded
 from metapatch.patches._shared_targets import shared_fingerprints
 
 PATCH_ID = "offloaded-placeholder-writes"

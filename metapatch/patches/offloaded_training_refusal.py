@@ -41,7 +41,7 @@ import weakref
 from typing import Any, Dict, List, Tuple
 
 from metapatch._framework.records import MetapatchError, Patch, Target, Upstream
-from metapatch._offload.placeholder_writes import adopted_trainable
+from metapatch._offload.replaced_weights import adopted_trainable
 
 PATCH_ID = "offloaded-training-refusal"
 
