@@ -7,9 +7,10 @@ from then on; upstream the hook's next load puts the stored value over it, silen
 stored, a bias registered after dispatch, fails that load with ``KeyError``). :func:`adopt_replacements` runs
 before every load of an offloaded module's weights (its forward, and every reader that loads them through the
 hook) and keeps such a tensor for the hook to serve, in the store's :class:`~metapatch._offload.store.Overlay`:
-the tensor itself, so a later write into it shows, as in memory. A replacement of a tied weight (the hook's
-partner would keep the old one) or of a tensor class the store cannot keep (a quantized one) raises
-:class:`~metapatch._offload.offloaded_weights.OffloadedWriteError`. :func:`note_loaded` tags what the hook loads
+the tensor itself, so a later write into it shows, as in memory. A replaced tied weight is untied, as in memory
+(its partner keeps its own tensor); a re-tie that puts the partner's tensor in the slot (``tie_weights()`` after
+dispatch, the partner in memory) keeps that very tensor, so both read one storage. A replacement of a tensor class
+the store cannot keep (a quantized one) raises :class:`~metapatch._offload.offloaded_weights.OffloadedWriteError`. :func:`note_loaded` tags what the hook loads
 itself, so that a forward that raised before its ``post_forward`` leaves nothing that would be taken for a
 replacement. A trainable replacement never gets a gradient (each forward loads a copy of it):
 :func:`adopted_trainable` names them for ``offloaded-training-refusal``.
@@ -23,7 +24,7 @@ from typing import Any, List, Optional, Tuple
 
 from metapatch._offload.hook_state import weights_map_of
 from metapatch._offload.placeholder_writes import describe, write_error
-from metapatch._offload.store import HOOK_LOADED, TIED_MARK, held, hook_tensors, overlay_of, plain_tensor
+from metapatch._offload.store import HOOK_LOADED, held, hook_tensors, overlay_of, plain_tensor
 
 
 def _slot_tensors(module: Any, hook: Any) -> List[Tuple[str, Any]]:
@@ -91,13 +92,10 @@ def adopt_replacements(module: Any, hook: Any) -> None:
                 if not tensor.is_meta and not _hook_loaded(tensor)]
     if not replaced or weights_map_of(hook) is None:
         return
-    tied = set(getattr(hook, "tied_params_names", None) or ()) | set(module.__dict__.get(TIED_MARK, ()))
+    # A tied weight is no exception: replacing it unties it in memory too (the partner keeps its tensor), and a
+    # re-tie that puts the partner's own tensor here (tie_weights() after dispatch, with the partner in memory) is
+    # kept as that very tensor, so the two still read one storage.
     for name, tensor in replaced:
-        if name in tied:
-            raise write_error(f"metapatch: {describe(module, name)} was replaced by a new tensor, and it is an offloaded "
-                         f"weight tied to another module's: accelerate serves each tied copy from its own hook, so "
-                         f"the other would keep the old value. Replace it before dispatching the model, untie it, or "
-                         f"keep the tied modules in memory (device_map).")
         if not plain_tensor(tensor):
             raise write_error(f"metapatch: {describe(module, name)} of an offloaded module was replaced by a "
                          f"{type(tensor).__name__}, a tensor class the offload store cannot keep; the offload hook "

@@ -23,8 +23,8 @@ Replacing the placeholder is the same write by other means: ``module.weight = nn
 hook's next load puts the stored value over the new tensor, silently (a registered one, which it never stored,
 fails that load with ``KeyError``). Before every load (``pre_forward``: a forward, and every reader that loads
 through the hook) a real tensor the hook did not load itself is kept for it to serve, the program's tensor itself,
-so a later in-place write into it shows as in memory; a tied weight's replacement, or one of a quantized class,
-raises. The hook tags the tensors it loads, so a forward that raised before its ``post_forward`` leaves nothing
+so a later in-place write into it shows as in memory. A replaced tied weight is untied, as in memory (a re-tie
+that puts the partner's own tensor there keeps that tensor); a replacement of a quantized class raises. The hook tags the tensors it loads, so a forward that raised before its ``post_forward`` leaves nothing
 that would be taken for a replacement.
 
 Not seen: writes into buffers (offloaded with ``offload_buffers=True``), into a tensor taken with

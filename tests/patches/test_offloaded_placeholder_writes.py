@@ -415,19 +415,49 @@ def test_save_pretrained_writes_the_replaced_weights(checkpoint, tmp_path):
 
 
 @in_range
-def test_replacing_a_tied_offloaded_weight_raises(tmp_path):
-    """Each hook serves its own copy of a tied weight: serving the replacement from one would leave the other on the
-    old value, which no tied in-memory model can be (a replaced one is untied). Refused at the next load."""
+@pytest.mark.parametrize("placement", ["cpu_offload", "embedding-on-disk"])
+def test_replacing_a_tied_offloaded_weight_unties_it_as_in_memory(tmp_path, placement):
+    """In memory, ``lm_head.weight = nn.Parameter(v)`` unties the head: it computes with ``v`` and the embedding keeps
+    its weight. The same offloaded. A write into the offloaded embedding afterwards is still refused as a tied one
+    (the store does not know the tie is gone): refused, never a third answer."""
     import accelerate
     from metapatch.selftest._models import save_tiny_llama
     from transformers import LlamaForCausalLM
 
     checkpoint = save_tiny_llama(tmp_path / "tied", tie_word_embeddings=True)
-    model = LlamaForCausalLM.from_pretrained(checkpoint).eval()
-    accelerate.cpu_offload(model, execution_device="cpu")
-    model.lm_head.weight = torch.nn.Parameter(torch.zeros(128, 64))
-    with pytest.raises(OffloadedWriteError, match="tied"):
-        _logits(model)
+    reference = LlamaForCausalLM.from_pretrained(checkpoint).eval()
+    if placement == "cpu_offload":
+        model = LlamaForCausalLM.from_pretrained(checkpoint).eval()
+        accelerate.cpu_offload(model, execution_device="cpu")
+    else:
+        model = _tied_pair(tmp_path)[2]
+    for m in (reference, model):
+        m.lm_head.weight = torch.nn.Parameter(torch.linspace(-0.05, 0.05, 128 * 64).reshape(128, 64))
+    assert torch.equal(_logits(model), _logits(reference))
+    with pytest.raises(OffloadedWriteError, match="tied"), torch.no_grad():
+        model.model.embed_tokens.weight[5] = 0.5
+    assert torch.equal(_logits(model), _logits(reference))
+
+
+@in_range
+def test_a_re_tie_after_dispatch_serves_the_partner_s_own_tensor(tmp_path):
+    """The embedding in memory, the tied head on disk; ``tie_weights()`` after dispatch puts the embedding's tensor in
+    the head's slot: kept as that tensor, so a later write into the embedding reaches the head, as in memory."""
+    from metapatch.selftest._models import save_tiny_llama
+    from transformers import LlamaForCausalLM
+
+    checkpoint = save_tiny_llama(tmp_path / "tied", tie_word_embeddings=True)
+    reference = LlamaForCausalLM.from_pretrained(checkpoint).eval()
+    device_map = {"model.rotary_emb": "cpu", "model.embed_tokens": "cpu", "model.layers": "cpu", "model.norm": "cpu",
+                  "lm_head": "disk"}
+    model = LlamaForCausalLM.from_pretrained(checkpoint, device_map=device_map,
+                                             offload_folder=str(tmp_path / "offload")).eval()
+    model.lm_head.weight = model.model.embed_tokens.weight  # what tie_weights() does
+    assert torch.equal(_logits(model), _logits(reference))
+    for m in (reference, model):
+        with torch.no_grad():
+            m.model.embed_tokens.weight[5] = 0.5
+    assert torch.equal(_logits(model), _logits(reference))
 
 
 @in_range
