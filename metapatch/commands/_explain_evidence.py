@@ -254,6 +254,11 @@ def _error_evidence(trace: Traceback, registry: Any, get) -> None:
                           f"its reproducer {scenario} fails with this error on other releases ({shown})")
 
 
+# Frames every offloaded module's forward passes through (accelerate's hook around each forward): a patch replacing
+# one is on nearly every offload traceback, so being there says little about which bug this is.
+UBIQUITOUS_FRAMES = frozenset({("accelerate.hooks", "pre_forward"), ("accelerate.hooks", "new_forward")})
+
+
 def _frame_evidence(trace: Traceback, registry: Any, get) -> None:
     seen = {(f.module, f.function) for f in trace.frames if f.module}
     owners: Dict[Tuple[str, str], List[str]] = {}
@@ -263,9 +268,11 @@ def _frame_evidence(trace: Traceback, registry: Any, get) -> None:
             if key in seen:
                 owners.setdefault(key, []).append(patch_id)
     for (module, function), patch_ids in owners.items():
+        common = (module, function) in UBIQUITOUS_FRAMES
         for patch_id in dict.fromkeys(patch_ids):
-            get(patch_id).add(FRAME / len(set(patch_ids)), f"the traceback passes through {module}.{function}, "
-                                                           "which this patch replaces")
+            get(patch_id).add(FRAME / len(set(patch_ids)) / (3 if common else 1),
+                              f"the traceback passes through {module}.{function}, which this patch replaces"
+                              + (" (as every offloaded forward does)" if common else ""))
 
 
 def _hint_evidence(trace: Traceback, known: set, get) -> None:
