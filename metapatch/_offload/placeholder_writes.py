@@ -29,6 +29,7 @@ Nothing here imports torch or accelerate at import time.
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -319,6 +320,8 @@ def _build_classes() -> Tuple[Any, Any]:
     disabled = torch._C._disabled_torch_function_impl
     data_getter = torch._C.TensorBase.data.__get__
     data_setter = torch._C.TensorBase.data.__set__
+    tensor_detach = torch.Tensor.detach
+    parameter_new_code = getattr(torch.nn.Parameter.__new__, "__code__", None)
 
     class PlaceholderData(torch.Tensor):
         """``placeholder.data`` (and views of it): the meta tensor upstream gives, whose writes are replayed on the
@@ -398,6 +401,21 @@ def _build_classes() -> Tuple[Any, Any]:
 
         def __reduce_ex__(self, protocol: Any) -> Any:
             return torch.nn.Parameter.__reduce_ex__(torch.nn.Parameter(self.detach(), self.requires_grad), protocol)
+
+        def detach(self) -> Any:
+            # ``nn.Parameter(placeholder)`` (a parametrization's original: ``weight_norm``) would hold the meta
+            # placeholder, not the offloaded values, and torch refuses it anyway, in a line about detach() semantics
+            # (a subclass whose detach returns a plain tensor): refused here, in words, for that caller only.
+            if SLOT in self.__dict__ and sys._getframe(1).f_code is parameter_new_code:
+                ref, name = self.__dict__[SLOT]
+                module = ref()
+                raise write_error(
+                    f"metapatch: a new nn.Parameter made from "
+                    f"{describe(module, name) if module is not None else 'an offloaded weight'}, an offloaded "
+                    f"weight's meta placeholder (a parametrization such as weight_norm makes one of its original), "
+                    f"would hold no values: accelerate serves the weight from its offload store. Register the "
+                    f"parametrization before dispatching the model, or keep that module in memory (device_map).")
+            return tensor_detach(self)
 
         # No __torch_function__: accelerate reads every placeholder's device, dtype, shape and data_ptr() as it
         # loads it, and on a class with one each read is a call into Python (about 12 us, measured). ``.data`` and

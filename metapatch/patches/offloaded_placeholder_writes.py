@@ -34,10 +34,9 @@ their next forward; in-place *functions* given the placeholder (``torch.relu_(w)
 ``torch._foreach_*``): only methods are overridden. A parametrization registered on an offloaded module
 (``weight_norm``, ``spectral_norm``, ``orthogonal``) takes the placeholder as its original: upstream the module
 then computes with meta values, silently wrong (``weight_norm``, ``spectral_norm``: logits off by 1e11 and more on
-torch 2.13's CPU); with the placeholder marked the registration raises: ``OffloadedWriteError`` for
-``spectral_norm`` and ``orthogonal`` (they write a meta value into it), and for ``weight_norm`` torch's own
-``RuntimeError`` naming ``OffloadedPlaceholder`` (torch refuses to make a parameter of a subclass whose ``detach``
-returns a plain tensor). Register it before dispatching the model, or keep that module in memory.
+torch 2.13's CPU); with the placeholder marked the registration raises ``OffloadedWriteError``: ``spectral_norm``
+and ``orthogonal`` write a meta value into it, ``weight_norm`` makes an ``nn.Parameter`` of it (refused: it would
+hold no values; any ``nn.Parameter(placeholder)`` is). Register it before dispatching the model, or keep that module in memory.
 """
 
 from __future__ import annotations

@@ -533,9 +533,25 @@ def test_a_parametrization_of_an_offloaded_weight_is_refused_at_registration(che
 
     model = _load(checkpoint, tmp_path / "offload")
     untouched = _logits(model)
-    with pytest.raises((OffloadedWriteError, RuntimeError), match="offloaded weight|OffloadedPlaceholder"):
+    with pytest.raises(OffloadedWriteError, match="offloaded weight") as refused:
         getattr(parametrizations, parametrization)(model.lm_head)
+    assert "OffloadedPlaceholder" not in str(refused.value)  # torch's line about detach() semantics, before
     assert torch.equal(_logits(model), untouched)
+
+
+@in_range
+def test_a_parameter_made_from_an_offloaded_placeholder_is_refused_and_other_detaches_are_torch_own(checkpoint,
+                                                                                                     tmp_path):
+    """``nn.Parameter(placeholder)`` would hold meta, not the stored values: refused in words (upstream: a parameter
+    of meta, silently). ``state_dict()`` and a user's ``.detach()`` still get torch's plain meta tensor."""
+    model = _load(checkpoint, tmp_path / "offload")
+    placeholder = model.lm_head.weight
+    assert placeholder.is_meta and type(placeholder).__name__ == "OffloadedPlaceholder"
+    with pytest.raises(OffloadedWriteError, match=r"nn.Parameter made from Linear.weight"):
+        torch.nn.Parameter(placeholder)
+    detached = placeholder.detach()
+    assert type(detached) is torch.Tensor and detached.is_meta
+    assert type(model.state_dict()["lm_head.weight"]) is torch.Tensor
 
 
 @in_range
