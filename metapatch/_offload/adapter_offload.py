@@ -34,7 +34,7 @@ import contextlib
 import sys
 from typing import Any, Iterator, List, Optional, Tuple
 
-from metapatch._offload import hook_state, store as offload_store
+from metapatch._offload import holds, hook_state, operations, store as offload_store
 from metapatch._offload.module_walk import named_modules  # noqa: F401  (the shared walk; callers import it from here too)
 from metapatch._framework.records import MetapatchError
 
@@ -50,13 +50,13 @@ def base_layer_onloaded(module: Any, what: str = "creating an adapter") -> Itera
     """The base layer of ``module`` (a tuner layer or a plain layer) holds its real weights inside
     the block, if it is offloaded; otherwise nothing happens. What the block writes into them
     (PiSSA's and OLoRA's residual, a merge) is kept for the offload hook to serve, or refused
-    (:class:`metapatch._offload.store.Operation`)."""
+    (:class:`metapatch._offload.operations.Operation`)."""
     base_layer = base_layer_of(module)
     offloaded = [(sub, hook) for sub in base_layer.modules() for hook in (offload_hook(sub),) if hook is not None]
     if not offloaded:
         yield
         return
-    with offload_store.Operation(what) as operation:
+    with operations.Operation(what) as operation:
         for sub, hook in offloaded:
             operation.onload(sub, hook)
         yield
@@ -66,14 +66,14 @@ def base_layer_onloaded(module: Any, what: str = "creating an adapter") -> Itera
 def base_layer_stood_in(module: Any, what: str = "creating an adapter") -> Iterator[None]:
     """The offloaded tensors of ``module``'s base layer are stood in for, inside the block, by
     uninitialised tensors of the same shape and dtype on the hook's execution device
-    (:func:`metapatch._offload.store.stood_in`: the offloaded values are never read, a write into a
+    (:func:`metapatch._offload.holds.stood_in`: the offloaded values are never read, a write into a
     stand-in is refused). Only for code that reads where and what the base weight is, never its
     values (a LoRA layer created with a value-free initialisation): anything else must use
     :func:`base_layer_onloaded`. Falls back to it for tensors of a class other than ``Parameter``
     and ``Tensor`` (quantized weights carry state an empty tensor lacks)."""
     base_layer = base_layer_of(module)
     hook = offload_hook(base_layer)
-    if hook is None or offload_store.held(hook):
+    if hook is None or holds.held(hook):
         yield
         return
     tensors = [tensor for sub in base_layer.modules() for store in (sub._parameters, sub._buffers)
@@ -82,7 +82,7 @@ def base_layer_stood_in(module: Any, what: str = "creating an adapter") -> Itera
         with base_layer_onloaded(module, what):
             yield
         return
-    with offload_store.stood_in(base_layer, execution_device(module), what):
+    with holds.stood_in(base_layer, execution_device(module), what):
         yield
 
 
@@ -96,7 +96,7 @@ def base_layer_of(module: Any) -> Any:
         return module
     tuners_utils = sys.modules.get("peft.tuners.tuners_utils")
     if tuners_utils is not None and get_base_layer is getattr(tuners_utils.BaseTunerLayer, "get_base_layer", None):
-        return offload_store.innermost_base_layer(module)
+        return holds.innermost_base_layer(module)
     get_base_layer = getattr(module, "get_base_layer", None)
     return get_base_layer() if callable(get_base_layer) else module
 
@@ -205,13 +205,13 @@ class HoldBaseLayerHook:
         hook = offload_hook(self.base_layer)
         self._holding.append(hook)
         if hook is not None:
-            offload_store.hold(self.base_layer, hook)
+            holds.hold(self.base_layer, hook)
         return args, kwargs
 
     def post_forward(self, module: Any, output: Any) -> Any:
         hook = self._holding.pop() if self._holding else None
         if hook is not None:
-            offload_store.release(self.base_layer, hook)
+            holds.release(self.base_layer, hook)
         return output
 
     def detach_hook(self, module: Any) -> Any:
@@ -250,7 +250,7 @@ class KeepQuantStateHook:
         import torch
 
         if torch.is_grad_enabled():
-            offload_store.keep_quant_states_for_backward(module)
+            holds.keep_quant_states_for_backward(module)
         return output
 
     def detach_hook(self, module: Any) -> Any:

@@ -116,3 +116,13 @@ def fully_offloaded_roots(model: Any, covered: set) -> List[str]:
 
     visit("", model)
     return found
+
+
+def map_offloads(device_map: Dict[str, Any]) -> bool:
+    """Whether ``dispatch_model`` offloads part of a model placed by ``device_map``: ``disk`` always,
+    ``cpu`` when the main device is an accelerator (the first entry on neither cpu nor disk)."""
+    values = [str(value) for value in device_map.values()]
+    if "disk" in values:
+        return True
+    main = next((value for value in values if value not in ("cpu", "disk")), "cpu")
+    return "cpu" in values and main not in ("cpu", "mps")

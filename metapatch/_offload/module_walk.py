@@ -48,3 +48,16 @@ def modules(root: Any) -> List[Any]:
         if children:
             stack.extend(reversed([child for child in children.values() if child is not None]))
     return found
+
+
+def submodule(root: Any, path: str) -> Any:
+    """``root.get_submodule(path)``, read from ``_modules`` (a load names every adapter layer: torch's
+    lookup checks each level with ``hasattr``/``getattr``); anything else is left to torch."""
+    module = root
+    if path:
+        for part in path.split("."):
+            child = module.__dict__.get("_modules", {}).get(part)
+            if child is None:
+                return root.get_submodule(path)
+            module = child
+    return module

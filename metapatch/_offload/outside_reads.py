@@ -37,6 +37,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from metapatch._offload.hook_state import holds, offload_hooks
 from metapatch._offload.offloaded_weights import materialised
+from metapatch._offload.store import Overlay
 from metapatch._framework.records import MetapatchError
 
 _DEPTH = 3
@@ -208,7 +209,6 @@ def hook_split_tensors(model: Any, execution_device: Any, offload: Any, weights_
     from accelerate.hooks import AlignDevicesHook, add_hook_to_module
     from accelerate.utils import PrefixedDataset, named_module_tensors
 
-    from metapatch._offload.store import Overlay
 
     by_parent: Dict[str, set] = {}  # offloaded map keys by the module path they sit under
     for key, offloaded in offload.items():

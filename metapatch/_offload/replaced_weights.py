@@ -24,7 +24,8 @@ from typing import Any, List, Optional, Tuple
 
 from metapatch._offload.hook_state import weights_map_of
 from metapatch._offload.placeholder_writes import describe, write_error
-from metapatch._offload.store import HOOK_LOADED, held, hook_tensors, overlay_of, plain_tensor
+from metapatch._offload.holds import held
+from metapatch._offload.store import HOOK_LOADED, hook_tensors, overlay_of, plain_tensor
 
 
 def _slot_tensors(module: Any, hook: Any) -> List[Tuple[str, Any]]:

@@ -23,7 +23,7 @@ Here, for a model with accelerate offload hooks:
   (no weight is read or written again); an explicit ``device_map`` or ``max_memory`` passed to
   ``load_adapter`` there, a request for a new placement that cannot be honoured over weights that are
   already offloaded, is refused with a :class:`~metapatch._framework.records.MetapatchError` saying what to do;
-* the load is one :class:`metapatch._offload.store.Operation`: a tensor the adapter brings for an offloaded
+* the load is one :class:`metapatch._offload.operations.Operation`: a tensor the adapter brings for an offloaded
   module (a saved embedding layer) is kept for that module's hook to serve (in CPU memory, nothing written),
   not dropped at its next forward;
 * then the adapter tensors follow their base layer's offload hook (:mod:`metapatch._offload.adapter_offload`, the
@@ -39,7 +39,7 @@ from __future__ import annotations
 import contextvars
 from typing import Any
 
-from metapatch._offload import store as offload_store
+from metapatch._offload import operations
 from metapatch._framework.records import MetapatchError, Patch, Target, Upstream
 
 PATCH_ID = "transformers-load-adapter-offload"
@@ -113,7 +113,7 @@ def load_adapter(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         # One store operation: a tensor the adapter brings for an offloaded module (a saved embedding
         # layer; transformers 5 materialises it on cpu, 4.57's load_state_dict copies into meta) is kept
         # for that module's hook to serve instead of being dropped at its next forward.
-        with offload_store.Operation("model.load_adapter") as operation:
+        with operations.Operation("model.load_adapter") as operation:
             operation.watch_loads(instance)
             result = wrapped(*args, **kwargs)
             operation.adopt_materialised(instance)

@@ -84,15 +84,15 @@ def test_declared_ties_probe_is_getattr():
 
 
 def test_operation_end_removes_watchers_from_a_copy():
-    from metapatch._offload import store as offload_store
+    from metapatch._offload import operations
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 2))
-    with offload_store.Operation("test") as operation:
+    with operations.Operation("test") as operation:
         operation.watch_loads(model)
         model.add_module("copied", copy.deepcopy(model))  # as PEFT's modules_to_save copies a module
         assert model.copied._load_state_dict_pre_hooks
     assert not model._load_state_dict_pre_hooks and not model.copied._load_state_dict_pre_hooks
-    with offload_store.Operation("test") as operation:
+    with operations.Operation("test") as operation:
         operation.watch_loads(model)
     assert not model._load_state_dict_pre_hooks
 

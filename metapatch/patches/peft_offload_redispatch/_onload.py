@@ -7,7 +7,7 @@ from typing import Any, Iterator
 
 def onload_layer_replacement(original: Any) -> Any:
     """Upstream's ``onload_layer`` (used by merge/unmerge/unload) for a layer with something
-    offloaded, as one :class:`metapatch._offload.store.Operation`: every offloaded module of the
+    offloaded, as one :class:`metapatch._offload.operations.Operation`: every offloaded module of the
     layer onloaded, and what the merge writes into the base weight kept for its hook to serve (an
     overlay in CPU memory, as upstream keeps merged weights in the weights map; the offload folder is
     never written). Upstream's own version first builds ``dict(weights_map.dataset)`` (every
@@ -18,7 +18,7 @@ def onload_layer_replacement(original: Any) -> Any:
 
     @contextmanager
     def onload_layer(layer: Any) -> Iterator[None]:
-        from metapatch._offload import store as offload_store
+        from metapatch._offload import operations
         from metapatch._offload.hook_state import offload_hook
 
         offloaded = [(module, hook) for module in layer.modules()
@@ -27,7 +27,7 @@ def onload_layer_replacement(original: Any) -> Any:
             with original(layer):
                 yield
             return
-        with offload_store.Operation(f"merging or unloading the adapter of {type(layer).__name__}") as operation:
+        with operations.Operation(f"merging or unloading the adapter of {type(layer).__name__}") as operation:
             for module, hook in offloaded:
                 operation.onload(module, hook)
             yield

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-from metapatch._offload import hook_state, store as offload_store
+from metapatch._offload import hook_state, model_placement
 from metapatch._framework.records import MetapatchError
 
 
@@ -29,7 +29,7 @@ def _offloaded(model: Any) -> bool:
         if state is None:
             continue
         device_map = state.get("hf_device_map")
-        if isinstance(device_map, dict) and offload_store.map_offloads(device_map):
+        if isinstance(device_map, dict) and model_placement.map_offloads(device_map):
             return True
         if hook_state.hooked(holder):
             return True

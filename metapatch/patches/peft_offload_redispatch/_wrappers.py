@@ -6,7 +6,7 @@ import contextlib
 import contextvars
 from typing import Any, Dict, Iterator
 
-from metapatch._offload import adapter_offload, hook_state, store as offload_store
+from metapatch._offload import adapter_offload, holds, hook_state, model_placement, operations, store as offload_store
 
 from ._placement import is_offloaded
 from ._redispatch import redispatch
@@ -75,7 +75,7 @@ def from_pretrained(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
 def _keeping_writes(model: Any, what: str, wrapped: Any, args: tuple, kwargs: dict) -> Any:
     """``wrapped`` as one store operation over ``model``: a tensor it loads into an offloaded module
     (a saved embedding layer, ``modules_to_save``) is kept for that module's hook to serve."""
-    with offload_store.Operation(what) as operation:
+    with operations.Operation(what) as operation:
         operation.watch_loads(model)
         result = wrapped(*args, **kwargs)
         operation.adopt_materialised(model)
@@ -156,12 +156,12 @@ def _may_be_offloaded(model: Any) -> bool:
     with an offloaded entry (as ``dispatch_model`` decides: ``disk``, or ``cpu`` beside an
     accelerator), or an accelerate hook on the model itself without a map (``cpu_offload``), or an
     entry point that found it offloaded is running."""
-    if offload_store.current() is not None or _ADDING.get() is not None:
+    if operations.current() is not None or _ADDING.get() is not None:
         return True  # inside an entry point that found the model offloaded (and hid its map)
     state = getattr(model, "__dict__", {})
     device_map = state.get("hf_device_map")
     if isinstance(device_map, dict):
-        return offload_store.map_offloads(device_map)
+        return model_placement.map_offloads(device_map)
     if hook_state.hooked(model):
         return True
     # PeftMixedModel.add_adapter/load_adapter/set_adapter pass the mixed wrapper itself, whose __dict__ holds
@@ -171,7 +171,7 @@ def _may_be_offloaded(model: Any) -> bool:
         return False
     base_map = getattr(base, "__dict__", {}).get("hf_device_map")
     if isinstance(base_map, dict):
-        return offload_store.map_offloads(base_map)
+        return model_placement.map_offloads(base_map)
     return hook_state.hooked(base)
 
 
@@ -236,7 +236,7 @@ def move_adapter(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     values would be lost, and where loading it would be a no-op)."""
     device = args[1] if len(args) > 1 else kwargs.get("device")
     adapter_name = args[0] if args else kwargs.get("adapter_name")
-    if hook_state.offload_hook(offload_store.innermost_base_layer(instance)) is None:
+    if hook_state.offload_hook(holds.innermost_base_layer(instance)) is None:
         return wrapped(*args, **kwargs)  # the base layer is not offloaded: upstream, untouched
     if device is None and adapter_name is not None \
             and adapter_offload.move_adapter_to_execution_device(instance, adapter_name):
