@@ -29,12 +29,15 @@ Nothing here imports torch or accelerate at import time.
 
 from __future__ import annotations
 
+import functools
 import sys
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 from metapatch._framework.records import MetapatchError
 from metapatch._offload.hook_state import offload_hook, weights_map_of
+from metapatch._offload.offloaded_weights import OffloadedWriteError
+from metapatch._offload.store import TIED_MARK, convert, overlay_of
 
 SLOT = "_metapatch_placeholder_of"  # in a marked placeholder's __dict__: (weakref to module, local dotted name)
 PARTNERS = "_metapatch_tie_partners"  # in a module's __dict__: {name: (weakref to the tied module, its name)}
@@ -48,12 +51,14 @@ _NOT_WRITES = frozenset({"requires_grad_", "share_memory_", "detach_", "retain_g
 # change leaves the kept value as it was.
 _RESHAPING = frozenset({"set_", "resize_", "resize_as_", "as_strided_", "squeeze_", "unsqueeze_", "t_",
                         "transpose_", "swapdims_", "swapaxes_", "detach_"})
-# Functions that return a view of the placeholder (``weight[3]``, ``weight[:, :8]``, ``weight.t()``): under
+# Functions that return a view of the placeholder (``weight[3]``, ``weight[:, :8]``, ``weight.t()``, each part of
+# ``weight.split(8)``, ``unbind``, ``chunk``): under
 # ``no_grad`` their result carries the write rule (an in-place init of a row goes through one). ``detach`` is
 # not among them: ``state_dict()`` detaches every parameter, and its entries stay plain meta tensors.
 _VIEWS = frozenset({"__getitem__", "select", "narrow", "view", "view_as", "reshape", "reshape_as", "flatten",
                     "unflatten", "t", "transpose", "swapaxes", "swapdims", "permute", "squeeze", "unsqueeze",
-                    "expand", "expand_as", "diagonal", "movedim", "moveaxis", "as_strided", "unfold"})
+                    "expand", "expand_as", "diagonal", "movedim", "moveaxis", "as_strided", "unfold",
+                    "split", "split_with_sizes", "tensor_split", "unbind", "chunk", "hsplit", "vsplit", "dsplit"})
 
 
 def placeholder_class() -> Any:
@@ -96,7 +101,6 @@ def note_ties(module: Any, hook: Any) -> None:
 def record_tie(module: Any, name: str, other: Any, other_name: str) -> None:
     """``module.<name>`` and ``other.<other_name>`` are one tied weight served by two hooks: writes into either are
     refused, and their placeholders are one object between forwards (:func:`mark`)."""
-    from metapatch._offload.store import TIED_MARK
 
     for (owner, local), (partner, partner_name) in (((module, name), (other, other_name)),
                                                    ((other, other_name), (module, name))):
@@ -155,8 +159,6 @@ def _share_tied_placeholders(module: Any, partners: Dict[str, Any], cls: Any) ->
 
 
 def write_error(message: str) -> Exception:
-    from metapatch._offload.offloaded_weights import OffloadedWriteError
-
     return OffloadedWriteError(message)
 
 
@@ -182,7 +184,6 @@ def _owner(placeholder: Any, tied_ok: bool = False) -> Tuple[Any, str, Any]:
         raise write_error(f"metapatch: a write into {describe(module, name)}, a meta placeholder no accelerate offload "
                      f"hook serves any more: the value would go nowhere.")
     tied = set(getattr(hook, "tied_params_names", None) or ())
-    from metapatch._offload.store import TIED_MARK
 
     if not tied_ok and (name in tied or name in module.__dict__.get(TIED_MARK, ())):
         raise write_error(f"metapatch: a write into {describe(module, name)}, an offloaded weight tied to another "
@@ -201,7 +202,6 @@ class _Materialised:
     def of(self, placeholder: Any, copy: bool) -> Any:
         entry = self.values.get(id(placeholder))
         if entry is None:
-            from metapatch._offload.store import overlay_of
 
             module, name, hook = _owner(placeholder)
             overlay = overlay_of(hook)
@@ -217,7 +217,6 @@ class _Materialised:
         return entry[1]
 
     def keep(self) -> None:
-        from metapatch._offload.store import overlay_of
 
         for placeholder, value, name, hook, _ in self.values.values():
             if value.shape != placeholder.shape or value.dtype != placeholder.dtype:
@@ -233,7 +232,6 @@ def _converted(placeholder: Any) -> None:
     """A dtype conversion reached a marked placeholder (``module.half()``, ``.to(torch.bfloat16)`` of the model or of
     any submodule: torch's ``Module._apply`` sets ``.data``): the store serves the stored value converted as the
     in-memory tensor was, step by step (a chain keeps its lossy step), not cast straight to the last dtype."""
-    from metapatch._offload.store import convert
 
     try:
         module, name, hook = _owner(placeholder, tied_ok=True)
@@ -253,7 +251,6 @@ def _assign(placeholder: Any, value: Any) -> None:
     """``weight.data = value`` on a marked placeholder: in memory the parameter takes ``value``'s storage (it
     aliases it); here ``value`` (a CPU tensor as it is, so later writes into it show as in memory; another device's
     copied to CPU) is kept for the hook to serve. Another shape or dtype would change the parameter: refused."""
-    from metapatch._offload.store import overlay_of
 
     module, name, hook = _owner(placeholder)
     if value.shape != placeholder.shape or value.dtype != placeholder.dtype:
@@ -299,6 +296,11 @@ def _write(func: Any, args: tuple, kwargs: dict) -> Any:
         real_args, real_kwargs = tree_map(real, args), tree_map(real, kwargs)
         func(*real_args, **real_kwargs)
     store.keep()
+
+
+def _part(func: Any, index: int, view: Any, *args: Any, **kwargs: Any) -> Any:
+    """The ``index``-th view ``func`` (``split``, ``unbind``, ``chunk``...) makes of ``view``: one step of a chain."""
+    return func(view, *args, **kwargs)[index]
 
 
 def _writes_into(func: Any, args: tuple, kwargs: dict) -> bool:
@@ -357,10 +359,16 @@ def _build_classes() -> Tuple[Any, Any]:
             unwrapped_kwargs = tree_map(lambda v: v._inner if isinstance(v, PlaceholderData) else v, kwargs)
             out = func(*unwrapped_args, **unwrapped_kwargs)
             returns = func._schema.returns
-            if args and isinstance(args[0], PlaceholderData) and isinstance(out, torch.Tensor) and returns \
-                    and returns[0].alias_info is not None:  # a view: writes into it are writes into the root
-                return PlaceholderData(out, args[0]._root, args[0]._chain + ((func, unwrapped_args[1:],
-                                                                               unwrapped_kwargs),))
+            if not (args and isinstance(args[0], PlaceholderData) and returns and returns[0].alias_info is not None):
+                return out
+            # a view: writes into it are writes into the root
+            rest, root, chain = unwrapped_args[1:], args[0]._root, args[0]._chain
+            if isinstance(out, torch.Tensor):
+                return PlaceholderData(out, root, chain + ((func, rest, unwrapped_kwargs),))
+            if isinstance(out, (list, tuple)):  # views of parts (split, unbind, chunk): each replays as its part
+                return type(out)(PlaceholderData(part, root, chain + ((functools.partial(_part, func, index), rest,
+                                                                       unwrapped_kwargs),))
+                                 for index, part in enumerate(out))
             return out
 
         @classmethod

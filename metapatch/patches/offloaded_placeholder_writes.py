@@ -1,5 +1,6 @@
 """offloaded-placeholder-writes: a write into an offloaded weight between forwards (``weight.data[i] = v``,
-``torch.nn.init.zeros_(weight)``, ``weight.mul_(...)`` under ``no_grad``, a row of it, ``set_``) reaches the
+``torch.nn.init.zeros_(weight)``, ``weight.mul_(...)`` under ``no_grad``, a row of it, a part of its
+``split``/``unbind``/``chunk``, ``set_``) reaches the
 offload store and the next forward, or raises :class:`~metapatch._offload.offloaded_weights.OffloadedWriteError`;
 upstream it vanishes silently.
 
@@ -28,7 +29,7 @@ that puts the partner's own tensor there keeps that tensor); a replacement of a 
 that would be taken for a replacement.
 
 Not seen: writes into buffers (offloaded with ``offload_buffers=True``), into a tensor taken with
-``.detach()`` from a placeholder, through ``split``/``unbind``/``chunk`` results, into 4-bit ``Params4bit``
+``.detach()`` from a placeholder, into 4-bit ``Params4bit``
 placeholders (their own class), or into placeholders of hooks attached before metapatch was imported until
 their next forward; in-place *functions* given the placeholder (``torch.relu_(w)``, ``out=w``,
 ``torch._foreach_*``): only methods are overridden. A parametrization registered on an offloaded module

@@ -83,6 +83,10 @@ WRITES = {
     "out-kwarg": lambda m: torch.mul(torch.ones(64), 3.0, out=m.model.layers[3].post_attention_layernorm.weight.data),
     "iadd-operator": lambda m: m.model.layers[1].self_attn.k_proj.weight.__iadd__(1.0),
     "chained": lambda m: m.lm_head.weight.mul_(0.5).add_(0.1),
+    "split-parts": lambda m: [part.mul_(index + 1) for index, part in enumerate(m.lm_head.weight.split(40))],
+    "unbind-row": lambda m: m.model.layers[1].mlp.down_proj.weight.unbind(0)[3].fill_(0.2),
+    "chunk-columns": lambda m: m.model.layers[3].mlp.up_proj.weight.chunk(4, dim=1)[2].zero_(),
+    "data-tensor-split-of-view": lambda m: m.lm_head.weight.data[:, 8:40].tensor_split(3, dim=1)[1].add_(1.0),
     "data-assigned": lambda m: setattr(m.model.layers[3].mlp.up_proj.weight, "data", torch.full((128, 64), 0.03)),
 }
 
