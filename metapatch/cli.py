@@ -31,6 +31,8 @@ environment:
   METAPATCH_DIFFS_ROOT=DIR        read upstream diffs from DIR (`diffs`, `pr`) instead of the source tree
   METAPATCH_SELFTEST_FORK=0       selftest: a fresh interpreter per run instead of a fork of a warm parent
   METAPATCH_SELFTEST_PRELOAD=0    selftest: the warm parents import torch only
+  METAPATCH_SELFTEST_DEVICE=cpu|cuda|cuda:N
+                                  selftest: the execution device (default: cuda:0 where CUDA is present)
   METAPATCH_AUTOLOAD=0            the start-up hooks of `run` and `enable` import nothing in this process
 """
 

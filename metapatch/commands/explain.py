@@ -24,7 +24,8 @@ examples:
   metapatch explain traceback.txt --json
 
 exit code: 0 a patch or report matched; 1 nothing matched; 2 bad input (no such file, a folder, an empty
-input, or a terminal on stdin: give a file or pipe the traceback in).
+input, or no FILE with a terminal on stdin: give a file or pipe the traceback in). `metapatch explain -` at
+a terminal asks for the traceback and reads a paste, ended by Ctrl-D on a line of its own.
 """
 
 MAX_REPORTS = 5

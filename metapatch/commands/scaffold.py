@@ -24,7 +24,8 @@ Writes, named by the id (the convention of metapatch._framework.layout):
   tests/patches/test_<mod>.py       the three-way test (unpatched, patched, the upstream diff alone)
   upstream_diffs/<id>/              where the upstream diff goes (<package>.diff with a DEP-3 header)
 then regenerates the patch INDEX. Nothing is overwritten: an id that has any of these is refused.
-tests/test_patch_pieces.py fails until the diff (or, for a bug fixed upstream, fixed_in) is there.
+tests/test_patch_pieces.py fails until the survey table (metapatch/survey/tables/<id>.json, written by
+`metapatch survey <id>`) and the diff (or, for a bug fixed upstream, fixed_in) are there.
 exit code: 0, or 2 for a bad id, target or range, an id that exists, or no source checkout.
 """
 
@@ -33,7 +34,8 @@ _ID = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)+$")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EPILOG
-    parser.add_argument("id", help="the new patch id: lowercase words joined by '-', the package first")
+    parser.add_argument("id", help="the new patch id: two or more lowercase words joined by '-', the package, model or "
+                        "kind of bug first (accelerate-..., gemma4-..., offloaded-...)")
     parser.add_argument("--target", action="append", required=True, metavar="MODULE:QUALNAME",
                         help="an upstream object the patch wraps (repeatable); it must import here")
     parser.add_argument("--affects", action="append", required=True, metavar="DIST=SPEC",
@@ -199,7 +201,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"{what:12} {path.relative_to(root)}")
     print(f"{'index':12} {index}")
     print("next: write the reproducer and the fix, then upstream_diffs/"
-          f"{args.id}/<package>.diff (DEP-3 header, Upstream-Base: the release it is written against); "
+          f"{args.id}/<package>.diff (DEP-3 header, Upstream-Base: the release it is written against) and "
+          f"the survey table (metapatch survey {args.id} writes metapatch/survey/tables/{args.id}.json); "
           "pytest tests/patches/test_" + stem + ".py tests/test_patch_pieces.py")
     return 0
 
