@@ -192,6 +192,7 @@ WRITES = {
     "no-grad-init-zeros-row": _under("no_grad", lambda p: __import__("torch").nn.init.zeros_(p[2])),
     "inference-mode-fill-row": _under("inference_mode", lambda p: p[0].fill_(0.25)),
     "no-grad-unbind-last-part": _under("no_grad", lambda p: p.unbind(0)[-1].add_(0.125)),
+    "detach-row-mul": lambda p: p.detach()[1].mul_(0.75),
     "data-assigned": lambda p: setattr(p, "data", __import__("torch").full(tuple(p.shape), 0.03)),
 }
 

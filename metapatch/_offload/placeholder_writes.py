@@ -54,7 +54,8 @@ _RESHAPING = frozenset({"set_", "resize_", "resize_as_", "as_strided_", "squeeze
 # Functions that return a view of the placeholder (``weight[3]``, ``weight[:, :8]``, ``weight.t()``, each part of
 # ``weight.split(8)``, ``unbind``, ``chunk``): under
 # ``no_grad`` their result carries the write rule (an in-place init of a row goes through one). ``detach`` is
-# not among them: ``state_dict()`` detaches every parameter, and its entries stay plain meta tensors.
+# not among them: it is ``.data`` (an alias under any grad mode), except for ``state_dict()``, whose entries stay
+# plain meta tensors.
 _VIEWS = frozenset({"__getitem__", "select", "narrow", "view", "view_as", "reshape", "reshape_as", "flatten",
                     "unflatten", "t", "transpose", "swapaxes", "swapdims", "permute", "squeeze", "unsqueeze",
                     "expand", "expand_as", "diagonal", "movedim", "moveaxis", "as_strided", "unfold",
@@ -324,6 +325,7 @@ def _build_classes() -> Tuple[Any, Any]:
     data_setter = torch._C.TensorBase.data.__set__
     tensor_detach = torch.Tensor.detach
     parameter_new_code = getattr(torch.nn.Parameter.__new__, "__code__", None)
+    save_to_state_dict_code = torch.nn.Module._save_to_state_dict.__code__
 
     class PlaceholderData(torch.Tensor):
         """``placeholder.data`` (and views of it): the meta tensor upstream gives, whose writes are replayed on the
@@ -394,7 +396,7 @@ def _build_classes() -> Tuple[Any, Any]:
             return super().__new__(cls, data, requires_grad)
 
         def __deepcopy__(self, memo: Any) -> Any:
-            copied = torch.nn.Parameter(torch.empty_like(self.detach()), self.requires_grad)
+            copied = torch.nn.Parameter(torch.empty_like(tensor_detach(self)), self.requires_grad)
             memo[id(self)] = copied
             # A deep copy of the model (a reference model for DPO/PPO): the copy of the module this placeholder
             # stands for is in memo already (copy makes the module before its parameters), and its copied hook serves
@@ -408,13 +410,19 @@ def _build_classes() -> Tuple[Any, Any]:
             return copied
 
         def __reduce_ex__(self, protocol: Any) -> Any:
-            return torch.nn.Parameter.__reduce_ex__(torch.nn.Parameter(self.detach(), self.requires_grad), protocol)
+            return torch.nn.Parameter.__reduce_ex__(torch.nn.Parameter(tensor_detach(self), self.requires_grad), protocol)
 
         def detach(self) -> Any:
-            # ``nn.Parameter(placeholder)`` (a parametrization's original: ``weight_norm``) would hold the meta
-            # placeholder, not the offloaded values, and torch refuses it anyway, in a line about detach() semantics
-            # (a subclass whose detach returns a plain tensor): refused here, in words, for that caller only.
-            if SLOT in self.__dict__ and sys._getframe(1).f_code is parameter_new_code:
+            """``weight.detach()`` aliases the weight, as ``weight.data`` does: on a marked placeholder it is the same
+            :class:`PlaceholderData`, so a write into it (``weight.detach().copy_(v)``) reaches the store, as in memory
+            it reaches the weight. ``state_dict()``'s entries stay torch's plain meta tensors."""
+            if SLOT not in self.__dict__:
+                return tensor_detach(self)
+            caller = sys._getframe(1).f_code
+            if caller is parameter_new_code:
+                # ``nn.Parameter(placeholder)`` (a parametrization's original: ``weight_norm``) would hold the meta
+                # placeholder, not the offloaded values, and torch refuses it anyway, in a line about detach()
+                # semantics (a subclass whose detach returns a plain tensor): refused here, in words.
                 ref, name = self.__dict__[SLOT]
                 module = ref()
                 raise write_error(
@@ -423,7 +431,10 @@ def _build_classes() -> Tuple[Any, Any]:
                     f"weight's meta placeholder (a parametrization such as weight_norm makes one of its original), "
                     f"would hold no values: accelerate serves the weight from its offload store. Register the "
                     f"parametrization before dispatching the model, or keep that module in memory (device_map).")
-            return tensor_detach(self)
+            data = data_getter(self)
+            if caller is save_to_state_dict_code or not data.is_meta:
+                return tensor_detach(self)
+            return PlaceholderData(data, self, ())
 
         # No __torch_function__: accelerate reads every placeholder's device, dtype, shape and data_ptr() as it
         # loads it, and on a class with one each read is a call into Python (about 12 us, measured). ``.data`` and

@@ -1,6 +1,6 @@
 """offloaded-placeholder-writes: a write into an offloaded weight between forwards (``weight.data[i] = v``,
 ``torch.nn.init.zeros_(weight)``, ``weight.mul_(...)`` under ``no_grad``, a row of it, a part of its
-``split``/``unbind``/``chunk``, ``set_``) reaches the
+``split``/``unbind``/``chunk``, a write through ``weight.detach()``, ``set_``) reaches the
 offload store and the next forward, or raises :class:`~metapatch._offload.offloaded_weights.OffloadedWriteError`;
 upstream it vanishes silently.
 
@@ -28,8 +28,7 @@ so a later in-place write into it shows as in memory. A replaced tied weight is 
 that puts the partner's own tensor there keeps that tensor); a replacement of a quantized class raises. The hook tags the tensors it loads, so a forward that raised before its ``post_forward`` leaves nothing
 that would be taken for a replacement.
 
-Not seen: writes into buffers (offloaded with ``offload_buffers=True``), into a tensor taken with
-``.detach()`` from a placeholder, into 4-bit ``Params4bit``
+Not seen: writes into buffers (offloaded with ``offload_buffers=True``), into 4-bit ``Params4bit``
 placeholders (their own class), or into placeholders of hooks attached before metapatch was imported until
 their next forward; in-place *functions* given the placeholder (``torch.relu_(w)``, ``out=w``,
 ``torch._foreach_*``): only methods are overridden. A parametrization registered on an offloaded module

@@ -83,6 +83,7 @@ WRITES = {
     "out-kwarg": lambda m: torch.mul(torch.ones(64), 3.0, out=m.model.layers[3].post_attention_layernorm.weight.data),
     "iadd-operator": lambda m: m.model.layers[1].self_attn.k_proj.weight.__iadd__(1.0),
     "chained": lambda m: m.lm_head.weight.mul_(0.5).add_(0.1),
+    "detach-copy": lambda m: m.model.layers[3].self_attn.q_proj.weight.detach().copy_(torch.full((64, 64), 0.02)),
     "split-parts": lambda m: [part.mul_(index + 1) for index, part in enumerate(m.lm_head.weight.split(40))],
     "unbind-row": lambda m: m.model.layers[1].mlp.down_proj.weight.unbind(0)[3].fill_(0.2),
     "chunk-columns": lambda m: m.model.layers[3].mlp.up_proj.weight.chunk(4, dim=1)[2].zero_(),
@@ -544,18 +545,35 @@ def test_a_parametrization_of_an_offloaded_weight_is_refused_at_registration(che
 
 
 @in_range
-def test_a_parameter_made_from_an_offloaded_placeholder_is_refused_and_other_detaches_are_torch_own(checkpoint,
-                                                                                                     tmp_path):
+def test_a_parameter_made_from_an_offloaded_placeholder_is_refused(checkpoint, tmp_path):
     """``nn.Parameter(placeholder)`` would hold meta, not the stored values: refused in words (upstream: a parameter
-    of meta, silently). ``state_dict()`` and a user's ``.detach()`` still get torch's plain meta tensor."""
+    of meta, silently; before, torch's RuntimeError about detach() semantics). ``state_dict()``'s entries stay torch's
+    plain meta tensors."""
     model = _load(checkpoint, tmp_path / "offload")
     placeholder = model.lm_head.weight
     assert placeholder.is_meta and type(placeholder).__name__ == "OffloadedPlaceholder"
     with pytest.raises(OffloadedWriteError, match=r"nn.Parameter made from Linear.weight"):
         torch.nn.Parameter(placeholder)
-    detached = placeholder.detach()
-    assert type(detached) is torch.Tensor and detached.is_meta
     assert type(model.state_dict()["lm_head.weight"]) is torch.Tensor
+
+
+@in_range
+@pytest.mark.parametrize("grad", ["enabled", "no_grad"])
+def test_a_write_through_detach_reaches_the_next_forward_as_in_memory(checkpoint, tmp_path, grad):
+    """``weight.detach()`` aliases the weight in memory, under any grad mode: a write into it is a write into the
+    weight. Upstream (and before) the detached placeholder was a plain meta tensor and the write vanished."""
+    reference = _load(checkpoint)
+    model = _load(checkpoint, tmp_path / "offload")
+    before = _digests(tmp_path / "offload")
+    context = torch.no_grad if grad == "no_grad" else torch.enable_grad
+    for m in (reference, model):
+        with context():
+            m.lm_head.weight.detach().mul_(0.5)
+            m.model.layers[1].mlp.up_proj.weight.detach()[3].fill_(0.125)
+    expected = _logits(reference)
+    assert not torch.equal(expected, _logits(_load(checkpoint))), "the writes changed nothing: vacuous"
+    assert torch.equal(_logits(model), expected)
+    assert _digests(tmp_path / "offload") == before
 
 
 @in_range
