@@ -12,7 +12,7 @@ from typing import Any, Dict
 from ._fsdp import lora_model
 from ._harness import Scenario
 from ._models import input_ids, max_abs_diff, save_tiny_llama
-from ._ranks import GLOO_RANKS, FSDP_ENV, fsdp_accelerator, raise_first_error, run_ranks
+from ._ranks import FSDP2_ON_CPU, GLOO_RANKS, FSDP_ENV, fsdp_accelerator, raise_first_error, run_ranks
 
 ADAPTER_STATE = "accelerate-fsdp2-adapter-state"
 _SAVED = "pytorch_model_fsdp.bin"  # accelerate's FSDP_MODEL_NAME, model_index 0
@@ -108,5 +108,6 @@ SCENARIOS = [
              "FULL_STATE_DICT: the file and every rank's reloaded adapter equal one process's",
              expected_error="AssertionError", expected_message="the saved adapter holds rank 0's shard only",
              # two-rank FSDP loading was measured from these releases on (other code variants below them)
-             requires={"accelerate": ">=1.13", "transformers": ">=5.7", "peft": ">=0.17"}, **GLOO_RANKS),
+             requires={"accelerate": ">=1.13", "transformers": ">=5.7", "peft": ">=0.17", **FSDP2_ON_CPU},
+             **GLOO_RANKS),
 ]

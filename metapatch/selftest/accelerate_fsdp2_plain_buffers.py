@@ -13,7 +13,7 @@ from typing import Any, Dict
 from ._fsdp import compare_ranks
 from ._harness import Scenario
 from ._models import input_ids
-from ._ranks import GLOO_RANKS, FSDP_ENV, fsdp_accelerator, run_ranks
+from ._ranks import FSDP2_ON_CPU, GLOO_RANKS, FSDP_ENV, fsdp_accelerator, run_ranks
 
 PLAIN_BUFFERS = "accelerate-fsdp2-plain-buffers"
 _SEED = 0
@@ -74,5 +74,5 @@ SCENARIOS = [
              "(two ranks, gloo): every rank's logits equal one process's",
              expected_error="AttributeError", expected_message="has no attribute 'device_mesh'",
              # two-rank FSDP loading was measured from these releases on (other code variants below them)
-             requires={"accelerate": ">=1.13"}, **GLOO_RANKS),
+             requires={"accelerate": ">=1.13", **FSDP2_ON_CPU}, **GLOO_RANKS),
 ]

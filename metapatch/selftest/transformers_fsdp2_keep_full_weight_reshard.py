@@ -24,7 +24,9 @@ _LR = 0.5
 # FSDP2 averages the two ranks' gradients (same batch on both): another summation order at most.
 # Measured: 0.0 on transformers 5.17.0 and 5.24.0.
 _TOLERANCE = 1e-5
-_REQUIRES = {"transformers": ">=5.15"}  # the first release that shards at load time
+# transformers 5.15: the first release that shards at load time; torch 2.8: what transformers' FSDP2 asks for
+# ("FSDP2 requires `torch>=2.8`", distributed checkpoint save/load), with and without metapatch.
+_REQUIRES = {"transformers": ">=5.15", "torch": ">=2.8"}
 
 
 def _save(path: Path, architecture: str) -> None:
