@@ -14,7 +14,8 @@ from typing import Any, Dict, Tuple
 from ._fsdp_loading_flows import __name__ as _FLOWS_MODULE
 from ._harness import Expect, Scenario
 from ._models import input_ids, max_abs_diff, save_tiny_llama
-from ._ranks import FSDP2_ON_CPU, GLOO_RANKS, FSDP_ENV, fsdp_accelerator, raise_first_error, run_ranks
+from ._ranks import (FSDP2_ON_CPU, FSDP2_TRAINING_ON_CPU, GLOO_RANKS, FSDP_ENV, fsdp_accelerator, raise_first_error,
+                     run_ranks)
 
 SHARED_EMBEDDINGS = "accelerate-fsdp2-shared-embeddings"
 _STEP_TOLERANCE = 1e-5  # FSDP2 averages the two ranks' gradients: a different summation order
@@ -126,7 +127,8 @@ SCENARIOS = [
              # accelerate 1.15 groups the input and output embeddings itself (huggingface/accelerate#4171)
              unpatched=(Expect("", when={"accelerate": ">=1.15"}), _SILENT_BEFORE_TORCH_2_13),
              # two-rank FSDP loading was measured from these releases on (other code variants below them)
-             requires={"accelerate": ">=1.13", "transformers": ">=5.7", **FSDP2_ON_CPU}, **GLOO_RANKS),
+             requires={"accelerate": ">=1.13", "transformers": ">=5.7", **FSDP2_TRAINING_ON_CPU},
+             **GLOO_RANKS),
     Scenario(SHARED_EMBEDDINGS, "bart-three-way-tie", f"{__name__}:bart_three_way_tie",
              "BART's shared/encoder/decoder embed_tokens/lm_head tie through accelerator.prepare with FSDP2 (two ranks, "
              "gloo), one SGD step: every rank equals one process (torch 2.13: 'shared with a parameter already managed "
@@ -134,7 +136,8 @@ SCENARIOS = [
              expected_error="ValueError", expected_message=_SHARED, tolerance=_STEP_TOLERANCE, quick=True,
              unpatched=(_SILENT_BEFORE_TORCH_2_13,),
              # two-rank FSDP loading was measured from these releases on (other code variants below them)
-             requires={"accelerate": ">=1.13", "transformers": ">=5.7", **FSDP2_ON_CPU}, **GLOO_RANKS),
+             requires={"accelerate": ">=1.13", "transformers": ">=5.7", **FSDP2_TRAINING_ON_CPU},
+             **GLOO_RANKS),
     Scenario(SHARED_EMBEDDINGS, "t5-half-precision-prepare", f"{_FLOWS_MODULE}:half_precision_train_ranks",
              "T5 (shared/encoder/decoder embed_tokens/lm_head tie) loaded in bfloat16 and in float16 (wo kept in "
              "float32) through accelerator.prepare with FSDP2 cpu_ram_efficient_loading (two ranks, gloo): bfloat16 "
