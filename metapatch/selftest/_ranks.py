@@ -74,8 +74,8 @@ GLOO_RANKS = {"device": "cpu", "device_reason": "two ranks over gloo, one CPU pr
 FSDP2_ON_CPU = {"torch": ">=2.7"}
 # And where the ranks take a training step: before torch 2.9 FSDP2's step on the CPU over gloo is wrong on every rank
 # even for a model without ties (measured: an untied Llama's logits after one SGD step 1.49 off one process's on
-# torch 2.7.1 and 2.8.0, equal on 2.9.0, 2.10.0, 2.11.0 and 2.13.0): gloo summed the gradients FSDP2 asked it to
-# average (pytorch#162338), so no bug of metapatch's could be told apart.
+# torch 2.7.1 and 2.8.0, equal on 2.9.0, 2.10.0, 2.11.0 and 2.13.0; most likely pytorch#162338, gloo summing
+# what FSDP2 asks it to average, not verified further), so no bug of metapatch's could be told apart.
 FSDP2_TRAINING_ON_CPU = {"torch": ">=2.9"}
 
 
