@@ -52,10 +52,9 @@ _NOT_WRITES = frozenset({"requires_grad_", "share_memory_", "detach_", "retain_g
 _RESHAPING = frozenset({"set_", "resize_", "resize_as_", "as_strided_", "squeeze_", "unsqueeze_", "t_",
                         "transpose_", "swapdims_", "swapaxes_", "detach_"})
 # Functions that return a view of the placeholder (``weight[3]``, ``weight[:, :8]``, ``weight.t()``, each part of
-# ``weight.split(8)``, ``unbind``, ``chunk``): under
-# ``no_grad`` their result carries the write rule (an in-place init of a row goes through one). ``detach`` is
-# not among them: it is ``.data`` (an alias under any grad mode), except for ``state_dict()``, whose entries stay
-# plain meta tensors.
+# ``weight.split(8)``, ``unbind``, ``chunk``): under ``no_grad`` their result carries the write rule (an in-place
+# init of a row goes through one). ``detach`` is not among them: it is ``.data`` (an alias under any grad mode),
+# except for ``state_dict()``, whose entries stay plain meta tensors.
 _VIEWS = frozenset({"__getitem__", "select", "narrow", "view", "view_as", "reshape", "reshape_as", "flatten",
                     "unflatten", "t", "transpose", "swapaxes", "swapdims", "permute", "squeeze", "unsqueeze",
                     "expand", "expand_as", "diagonal", "movedim", "moveaxis", "as_strided", "unfold",
@@ -102,7 +101,6 @@ def note_ties(module: Any, hook: Any) -> None:
 def record_tie(module: Any, name: str, other: Any, other_name: str) -> None:
     """``module.<name>`` and ``other.<other_name>`` are one tied weight served by two hooks: writes into either are
     refused, and their placeholders are one object between forwards (:func:`mark`)."""
-
     for (owner, local), (partner, partner_name) in (((module, name), (other, other_name)),
                                                    ((other, other_name), (module, name))):
         owner.__dict__[TIED_MARK] = frozenset(owner.__dict__.get(TIED_MARK, ())) | {local}
@@ -185,7 +183,6 @@ def _owner(placeholder: Any, tied_ok: bool = False) -> Tuple[Any, str, Any]:
         raise write_error(f"metapatch: a write into {describe(module, name)}, a meta placeholder no accelerate offload "
                      f"hook serves any more: the value would go nowhere.")
     tied = set(getattr(hook, "tied_params_names", None) or ())
-
     if not tied_ok and (name in tied or name in module.__dict__.get(TIED_MARK, ())):
         raise write_error(f"metapatch: a write into {describe(module, name)}, an offloaded weight tied to another "
                      f"module's: accelerate serves each tied copy from its own hook, so keeping the write here "
@@ -203,7 +200,6 @@ class _Materialised:
     def of(self, placeholder: Any, copy: bool) -> Any:
         entry = self.values.get(id(placeholder))
         if entry is None:
-
             module, name, hook = _owner(placeholder)
             overlay = overlay_of(hook)
             kept = overlay.kept.get(name)
@@ -218,7 +214,6 @@ class _Materialised:
         return entry[1]
 
     def keep(self) -> None:
-
         for placeholder, value, name, hook, _ in self.values.values():
             if value.shape != placeholder.shape or value.dtype != placeholder.dtype:
                 raise write_error(f"metapatch: a write that changes the shape or dtype of an offloaded weight's "
@@ -233,7 +228,6 @@ def _converted(placeholder: Any) -> None:
     """A dtype conversion reached a marked placeholder (``module.half()``, ``.to(torch.bfloat16)`` of the model or of
     any submodule: torch's ``Module._apply`` sets ``.data``): the store serves the stored value converted as the
     in-memory tensor was, step by step (a chain keeps its lossy step), not cast straight to the last dtype."""
-
     try:
         module, name, hook = _owner(placeholder, tied_ok=True)
     except MetapatchError:
@@ -252,7 +246,6 @@ def _assign(placeholder: Any, value: Any) -> None:
     """``weight.data = value`` on a marked placeholder: in memory the parameter takes ``value``'s storage (it
     aliases it); here ``value`` (a CPU tensor as it is, so later writes into it show as in memory; another device's
     copied to CPU) is kept for the hook to serve. Another shape or dtype would change the parameter: refused."""
-
     module, name, hook = _owner(placeholder)
     if value.shape != placeholder.shape or value.dtype != placeholder.dtype:
         raise write_error(f"metapatch: {describe(module, name)}.data = a tensor of another shape or dtype "
