@@ -41,7 +41,7 @@ def materialised(*modules: Any, watch_values: bool = True) -> Iterator[None]:
     weight tied to another hook's) raises :class:`OffloadedWriteError` once the block ends. Quantized
     tensor classes are left to their library: bitsandbytes repacks 4-bit weights on a first forward, and
     repacks the reloaded ones the same way on the next, so nothing is lost there."""
-    from metapatch._offload.store import keep_changes, refuse, snapshot
+    from metapatch._offload.store import keep_changes, refuse, settle, snapshot
 
     held: List[Tuple[Any, Any, Dict[str, Any]]] = []
     refused: List[Tuple[Any, str, Any]] = []
@@ -57,6 +57,7 @@ def materialised(*modules: Any, watch_values: bool = True) -> Iterator[None]:
             keep_changes(module, hook, taken, refused, tied, plain_only=True)
     finally:
         for module, hook, _ in reversed(held):
+            settle(module, hook)  # the rule is applied (or the block raised): the offload keeps nothing more
             hook.offload = True
             hook.post_forward(module, None)  # back to meta, as after the module's own forward
     refuse("a forward reading it from outside its own module (held loaded by metapatch)", refused, tied,

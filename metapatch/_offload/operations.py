@@ -24,7 +24,7 @@ from metapatch._framework.records import MetapatchError
 from metapatch._offload.hook_state import offload_hook
 from metapatch._offload.holds import held, hold, release
 from metapatch._offload.module_walk import modules, submodule
-from metapatch._offload.store import hook_tensors, keep, keep_changes, plain_tensor, refuse, snapshot
+from metapatch._offload.store import hook_tensors, keep, keep_changes, plain_tensor, refuse, settle, snapshot
 
 _CURRENT: "contextvars.ContextVar[Optional[Operation]]" = contextvars.ContextVar("metapatch_offload_operation",
                                                                               default=None)
@@ -78,6 +78,7 @@ class Operation:
         for module, hook, taken in reversed(onloaded):
             if kept:
                 keep_changes(module, hook, taken, refused, tied)
+            settle(module, hook)  # the rule is applied: the hook's offload keeps nothing more of it
             release(module, hook)
         refuse(self.what, refused, tied)
 

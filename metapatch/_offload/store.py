@@ -80,6 +80,9 @@ TIED_MARK = "_metapatch_tied_tensors"  # on a module: names of its tensors tied 
 # a later load that finds it still there (a forward that raised before its post_forward, a re-entered module)
 # does not take it for a replacement (replaced_weights.adopt_replacements).
 HOOK_LOADED = "_metapatch_hook_loaded"
+# On a tensor an offload hook loaded: its ``_version`` then, or ``(copy,)`` of an inference tensor's values
+# (:mod:`metapatch._offload.forward_writes`: a write the module's forward makes into it is kept).
+LOADED_VERSION = "_metapatch_loaded_version"
 
 
 def mark_tied(model: Any) -> None:
@@ -226,6 +229,14 @@ def refuse(what: str, refused: List[Tuple[Any, str, Any]], tied: List[Tuple[Any,
             f"module accelerate offloads, and a tensor of that class cannot be kept for the offload hook to "
             f"serve; the offloaded model would silently keep the old value. Keep that module in memory "
             f"(device_map) for this operation, or run it before dispatching the model.")
+
+
+def settle(module: Any, hook: Any) -> None:
+    """``module``'s loaded tensors as they are now count as loaded (no forward wrote them): an operation that
+    onloaded it has applied the rule to them (kept, refused, or dropped after upstream raised) and offloads it
+    next, through the hook's ``post_forward``."""
+    for _, tensor in hook_tensors(module, hook):
+        tensor.__dict__.pop(LOADED_VERSION, None)
 
 
 def refresh_sources(captured: Dict[int, Tuple[Any, Dict[str, Any]]]) -> None:

@@ -28,7 +28,13 @@ so a later in-place write into it shows as in memory. A replaced tied weight is 
 that puts the partner's own tensor there keeps that tensor); a replacement of a quantized class raises. The hook tags the tensors it loads, so a forward that raised before its ``post_forward`` leaves nothing
 that would be taken for a replacement.
 
-Not seen: writes into buffers (offloaded with ``offload_buffers=True``), into 4-bit ``Params4bit``
+A forward's own write into what the hook loaded is the third way: BatchNorm in training mode updates its running
+statistics in place (offloaded with ``offload_buffers=True``), and upstream ``post_forward`` drops them with the
+loaded buffers, silently (``eval()`` then normalises with the stored statistics). The load remembers each tensor's
+``_version`` (a training-mode module's buffers: their values, since BatchNorm's kernel moves no ``_version``), and
+``post_forward`` keeps a written one in the store first (:mod:`metapatch._offload.forward_writes`).
+
+Not seen: writes into buffers between forwards (a buffer's placeholder is a plain meta tensor), into 4-bit ``Params4bit``
 placeholders (their own class), or into placeholders of hooks attached before metapatch was imported until
 their next forward; in-place *functions* given the placeholder (``torch.relu_(w)``, ``out=w``,
 ``torch._foreach_*``): only methods are overridden. A parametrization registered on an offloaded module
@@ -44,6 +50,7 @@ from __future__ import annotations
 from typing import Any
 
 from metapatch._framework.records import Patch, Target, Upstream
+from metapatch._offload.forward_writes import keep_forward_writes, note_versions
 from metapatch._offload.placeholder_writes import mark, note_ties
 from metapatch._offload.replaced_weights import adopt_replacements, note_loaded
 from metapatch.patches._shared_targets import shared_fingerprints
@@ -71,20 +78,27 @@ def _around_pre_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) 
     adopt_replacements(module, instance)  # a tensor the program put in place of a placeholder: served from now on
     result = wrapped(*args, **kwargs)
     note_loaded(module, instance)
+    note_versions(module, instance)  # a write the forward makes into what was loaded is kept at its post_forward
     return result
 
 
 def _after_post_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    result = wrapped(*args, **kwargs)
-    if instance.offload:  # a per-forward path: the module is imported once, above (it imports no torch)
-        mark(args[0] if args else kwargs["module"], instance)
+    if not instance.offload:
+        return wrapped(*args, **kwargs)
+    module = args[0] if args else kwargs["module"]
+    try:
+        keep_forward_writes(module, instance)  # before the placeholders go back (BatchNorm's running statistics)
+    finally:
+        result = wrapped(*args, **kwargs)  # offloaded again even where a write into a tied weight is refused
+    mark(module, instance)  # a per-forward path: the modules are imported once, above (they import no torch)
     return result
 
 
 PATCH = Patch(
     id=PATCH_ID,
     title="A write into an offloaded weight between forwards (.data, torch.nn.init, in place under no_grad, the "
-          "parameter replaced) reaches the next forward or raises, instead of vanishing",
+          "parameter replaced) or by its own forward (BatchNorm's running statistics) reaches the next forward or "
+          "raises, instead of vanishing",
     # Measured: every write kind of the scenarios is a silent no-op on accelerate 1.13.0 and 1.16.0; the
     # placeholders are meta tensors by design in every release, so the range stays open.
     affects={"accelerate": ">=1.10.0"},

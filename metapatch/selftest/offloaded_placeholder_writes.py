@@ -143,6 +143,51 @@ def registered_bias(workdir: Path) -> Dict[str, Any]:
     return _compare(workdir, _disk_offloaded, _register_bias)
 
 
+def _saved_resnet(workdir: Path) -> Path:
+    import torch
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    torch.manual_seed(0)
+    config = ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic", num_labels=3)
+    ResNetForImageClassification(config).save_pretrained(workdir / "resnet")
+    return workdir / "resnet"
+
+
+def batchnorm_statistics(workdir: Path) -> Dict[str, Any]:
+    """A ResNet with its encoder on disk and its buffers offloaded with it (``offload_buffers=True``), run in training
+    mode under ``no_grad`` (recalibrating BatchNorm's statistics), then evaluated: BatchNorm's forward updates its
+    running statistics in place, in the loaded tensors the hook drops after the forward."""
+    import torch
+    from transformers import ResNetForImageClassification
+
+    checkpoint = _saved_resnet(workdir)
+    generator = torch.Generator().manual_seed(2)
+    batches = [torch.randn(2, 3, 32, 32, generator=generator).to(main_device()) for _ in range(3)]
+    reference = to_device(ResNetForImageClassification.from_pretrained(checkpoint))
+    device_map = {"resnet.embedder": main_device(), "resnet.encoder": "disk", "resnet.pooler": main_device(),
+                  "classifier": main_device()}
+    model = ResNetForImageClassification.from_pretrained(checkpoint, device_map=device_map, offload_buffers=True,
+                                                         offload_folder=str(workdir / "offload"))
+    assert model.resnet.encoder.stages[0].layers[0].layer[0].normalization.running_mean.is_meta, \
+        "the encoder's buffers were meant to be offloaded"
+    logits = []
+    for net in (reference, model):
+        net.train()
+        with torch.no_grad():
+            for batch in batches[:2]:
+                net(batch)
+        net.eval()
+        with torch.no_grad():
+            logits.append([net(batches[2]).logits for _ in range(2)])
+    (expected, _), (first, second) = logits
+    diffs = [max_abs_diff(first, expected), max_abs_diff(second, expected)]
+    if max(diffs) != 0:
+        raise AssertionError(f"the forward's writes into the offloaded tensors were lost: logits differ from the "
+                             f"in-memory model's after the same training-mode forwards by {diffs[0]} (second "
+                             f"forward {diffs[1]})")
+    return {"max_abs_diff": 0.0, "refused": ""}
+
+
 SCENARIOS = [
     Scenario(PATCH_ID, "textual-inversion", f"{__name__}:textual_inversion",
              "accelerate.cpu_offload (diffusers' sequential offload), then embedding.weight.data[token] = learned: "
@@ -162,4 +207,9 @@ SCENARIOS = [
              "layer 3 on disk, then register_parameter('bias', ...) on its q_proj: upstream the next forward looks the "
              "new tensor up in the hook's weights map, which never stored it",
              expected_error="KeyError", expected_message="q_proj.bias"),
+    Scenario(PATCH_ID, "batchnorm-statistics", f"{__name__}:batchnorm_statistics",
+             "a ResNet's encoder on disk with offload_buffers=True, two forwards in training mode under no_grad, then "
+             "eval: upstream BatchNorm's updated running statistics are dropped with the loaded buffers after each "
+             "forward, silently",
+             expected_error="AssertionError", expected_message="writes into the offloaded tensors were lost"),
 ]

@@ -24,7 +24,8 @@ AFFECTED, WHY, _, _ = metapatch.registry.gate(PATCH)
 
 class TestThreeWay(ThreeWayCase):
     patch_ids = (PATCH.id,)
-    names = {PATCH.id: {"textual-inversion", "in-place-edits", "replaced-weights", "registered-bias"}}
+    names = {PATCH.id: {"textual-inversion", "in-place-edits", "replaced-weights", "registered-bias",
+                        "batchnorm-statistics"}}
 
     def check_patched(self, scenario, outcome):
         if AFFECTED:

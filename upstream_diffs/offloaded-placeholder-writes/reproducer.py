@@ -1,9 +1,13 @@
-"""A write into an offloaded parameter between forwards vanishes, silently.
+"""A write into an offloaded parameter between forwards vanishes, silently; so does a forward's own write.
 
 Layer 1 is offloaded to disk (a meta placeholder between forwards). Writing a row through ``.data`` (textual
 inversion's write) and scaling the weight in place under ``no_grad`` are no-ops on the meta tensor, so the
 next forward computes with the stored values; the in-memory model computes with the written ones.
 Expected: equal outputs, or an error at the write.
+
+Then a BatchNorm layer is offloaded to disk with its buffers (``offload_buffers=True``) and run in training mode
+under ``no_grad``: its forward updates the running statistics in the loaded buffers, which the hook drops after the
+forward. Expected: the evaluated model equal to the in-memory one.
 
 Fails with: AssertionError
 """
@@ -39,4 +43,19 @@ with tempfile.TemporaryDirectory() as folder:
     else:
         with torch.no_grad():
             assert torch.equal(model(x), reference(x)), "the writes into the offloaded layer were lost"
+
+model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
+reference = copy.deepcopy(model)
+with tempfile.TemporaryDirectory() as folder:
+    offload_state_dict(folder, {k: v for k, v in model.state_dict().items() if k.startswith("1.")})
+    dispatch_model(model, device_map={"0": "cpu", "1": "disk"}, offload_dir=folder, offload_buffers=True)
+    assert model[1].running_mean.is_meta
+    for m in (model, reference):
+        m.train()
+        with torch.no_grad():  # BatchNorm updates its running statistics in place
+            m(x)
+            m(x + 1)
+        m.eval()
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x)), "the forward's writes into the offloaded buffers were lost"
 print("ok")
