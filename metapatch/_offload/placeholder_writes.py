@@ -10,7 +10,8 @@ not even move the parameter's ``_version``. The in-memory model would have the n
 Here the placeholders an offload hook creates (its ``init_hook`` and every ``post_forward``) are marked:
 their class becomes :func:`placeholder_class` (an ``nn.Parameter`` subclass, still ``meta``, which turns
 back into a plain ``nn.Parameter`` the moment accelerate builds one around a loaded value, so a forward
-runs on plain parameters), remembering the module and name they stand for. A write into a marked
+runs on plain parameters), remembering the module and name they stand for; with ``offload_buffers=True`` a
+buffer's placeholder is marked the same way (a ``torch.Tensor`` subclass: BatchNorm's ``reset_running_stats()``). A write into a marked
 placeholder, directly (in place, ``out=``, ``__setitem__``, under ``no_grad`` or
 ``inference_mode``) or through ``.data`` and views of it (``weight.data[3]``, ``weight.data[:, :8]``),
 is replayed on the stored value, copied into CPU memory once, and kept in the hook's
@@ -66,8 +67,8 @@ def placeholder_class() -> Any:
     if "placeholder" not in _CLASSES:
         import torch
 
-        _CLASSES["parameter"] = torch.nn.Parameter
-        _CLASSES["placeholder"], _CLASSES["data"] = _build_classes()
+        _CLASSES["parameter"], _CLASSES["tensor"] = torch.nn.Parameter, torch.Tensor
+        _CLASSES["placeholder"], _CLASSES["buffer"], _CLASSES["data"] = _build_classes()
     return _CLASSES["placeholder"]
 
 
@@ -135,6 +136,13 @@ def mark(module: Any, hook: Any) -> None:
         if param is not None and type(param) is parameter and param.is_meta:
             param.__class__ = cls
             param.__dict__[SLOT] = (weakref.ref(module), name)
+    if hook.offload_buffers:  # BatchNorm's statistics: reset_running_stats() between forwards writes into them
+        buffer_cls, plain = _CLASSES["buffer"], _CLASSES["tensor"]
+        buffers = module.named_buffers() if hook.place_submodules else module._buffers.items()
+        for name, buffer in list(buffers):
+            if buffer is not None and type(buffer) is plain and buffer.is_meta:
+                buffer.__class__ = buffer_cls
+                buffer.__dict__[SLOT] = (weakref.ref(module), name)
     partners = module.__dict__.get(PARTNERS)
     if partners:
         _share_tied_placeholders(module, partners, cls)
@@ -174,7 +182,8 @@ def _owner(placeholder: Any, tied_ok: bool = False) -> Tuple[Any, str, Any]:
     *path, local = name.split(".") if name else [""]
     for part in path:
         holder = getattr(holder, "_modules", {}).get(part)
-    if holder is None or holder._parameters.get(local) is not placeholder:
+    if holder is None or (holder._parameters.get(local) is not placeholder
+                          and holder._buffers.get(local) is not placeholder):
         raise write_error(f"metapatch: a write into an offloaded weight's meta placeholder ({tuple(placeholder.shape)}) "
                      f"whose module no longer serves it: the value would go nowhere. Write into the parameter the "
                      f"model holds now (getattr(module, name)).")
@@ -309,7 +318,7 @@ def _writes_into(func: Any, args: tuple, kwargs: dict) -> bool:
     return False
 
 
-def _build_classes() -> Tuple[Any, Any]:
+def _build_classes() -> Tuple[Any, Any, Any]:
     import torch
     from torch.utils._pytree import tree_map
 
@@ -378,21 +387,20 @@ def _build_classes() -> Tuple[Any, Any]:
             return (args[0], args[1], torch.tensor(args[2], dtype=args[0].dtype))
         return args
 
-    class OffloadedPlaceholder(torch.nn.Parameter):
-        """A meta placeholder an accelerate offload hook serves; writes into it reach the offload store."""
+    class _Marked:
+        """What a marked placeholder (a parameter's or a buffer's) overrides: writes into it reach the offload
+        store."""
 
         _metapatch_placeholder = True
 
-        def __new__(cls, data: Any = None, requires_grad: bool = True) -> Any:
-            if data is None or not data.is_meta:  # accelerate loading a value for a forward: a plain parameter
-                return torch.nn.Parameter(data, requires_grad)
-            return super().__new__(cls, data, requires_grad)
+        def _plain(self, tensor: Any) -> Any:  # a plain tensor of this placeholder's kind holding ``tensor``
+            raise NotImplementedError
 
         def __deepcopy__(self, memo: Any) -> Any:
-            copied = torch.nn.Parameter(torch.empty_like(tensor_detach(self)), self.requires_grad)
+            copied = self._plain(torch.empty_like(tensor_detach(self)))
             memo[id(self)] = copied
             # A deep copy of the model (a reference model for DPO/PPO): the copy of the module this placeholder
-            # stands for is in memo already (copy makes the module before its parameters), and its copied hook serves
+            # stands for is in memo already (copy makes the module before its tensors), and its copied hook serves
             # the copy. Marked for it, a write into the copy reaches the copy's store, as in memory.
             ref, name = self.__dict__.get(SLOT, (None, ""))
             module = ref() if ref is not None else None
@@ -403,7 +411,8 @@ def _build_classes() -> Tuple[Any, Any]:
             return copied
 
         def __reduce_ex__(self, protocol: Any) -> Any:
-            return torch.nn.Parameter.__reduce_ex__(torch.nn.Parameter(tensor_detach(self), self.requires_grad), protocol)
+            plain = self._plain(tensor_detach(self))
+            return type(plain).__reduce_ex__(plain, protocol)
 
         def detach(self) -> Any:
             """``weight.detach()`` aliases the weight, as ``weight.data`` does: on a marked placeholder it is the same
@@ -447,6 +456,26 @@ def _build_classes() -> Tuple[Any, Any]:
             if value.is_meta and value.dtype != before and SLOT in self.__dict__:
                 _converted(self)  # Module._apply (.half(), .to(dtype) of any submodule) sets .data
 
+    class OffloadedPlaceholder(_Marked, torch.nn.Parameter):
+        """A parameter's meta placeholder an accelerate offload hook serves."""
+
+        def __new__(cls, data: Any = None, requires_grad: bool = True) -> Any:
+            if data is None or not data.is_meta:  # accelerate loading a value for a forward: a plain parameter
+                return torch.nn.Parameter(data, requires_grad)
+            return super().__new__(cls, data, requires_grad)
+
+        def _plain(self, tensor: Any) -> Any:
+            return torch.nn.Parameter(tensor, self.requires_grad)
+
+    class OffloadedBuffer(_Marked, torch.Tensor):
+        """A buffer's meta placeholder an offload hook serves (``offload_buffers=True``): BatchNorm's running
+        statistics, reset between forwards by ``reset_running_stats()``."""
+
+        __torch_function__ = disabled  # as nn.Parameter's: torch's functions return plain tensors
+
+        def _plain(self, tensor: Any) -> Any:
+            return tensor
+
     def _redirected(name: str) -> Any:
         """``OffloadedPlaceholder.<name>``: on a marked placeholder where torch allows the write (no autograd
         recording it), the call runs on its :class:`PlaceholderData` (writes replayed into the store, views
@@ -468,9 +497,9 @@ def _build_classes() -> Tuple[Any, Any]:
     names = {name for name in dir(torch.Tensor) if _is_write_method(name) or name in _VIEWS}
     for name in sorted(names):
         if callable(getattr(torch.Tensor, name, None)):
-            setattr(OffloadedPlaceholder, name, _redirected(name))
+            setattr(_Marked, name, _redirected(name))
 
-    return OffloadedPlaceholder, PlaceholderData
+    return OffloadedPlaceholder, OffloadedBuffer, PlaceholderData
 
 
 def _is_write_method(name: str) -> bool:

@@ -34,7 +34,10 @@ loaded buffers, silently (``eval()`` then normalises with the stored statistics)
 ``_version`` (a training-mode module's buffers: their values, since BatchNorm's kernel moves no ``_version``), and
 ``post_forward`` keeps a written one in the store first (:mod:`metapatch._offload.forward_writes`).
 
-Not seen: writes into buffers between forwards (a buffer's placeholder is a plain meta tensor), into 4-bit ``Params4bit``
+With ``offload_buffers=True`` the buffers' placeholders are marked as the parameters' are: ``reset_running_stats()``
+between forwards (a BatchNorm recalibration starts with it) reaches the store.
+
+Not seen: into 4-bit ``Params4bit``
 placeholders (their own class), or into placeholders of hooks attached before metapatch was imported until
 their next forward; in-place *functions* given the placeholder (``torch.relu_(w)``, ``out=w``,
 ``torch._foreach_*``): only methods are overridden. A parametrization registered on an offloaded module
