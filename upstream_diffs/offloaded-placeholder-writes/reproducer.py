@@ -5,9 +5,8 @@ inversion's write) and scaling the weight in place under ``no_grad`` are no-ops 
 next forward computes with the stored values; the in-memory model computes with the written ones.
 Expected: equal outputs, or an error at the write.
 
-Then a BatchNorm layer is offloaded to disk with its buffers (``offload_buffers=True``) and run in training mode
-under ``no_grad``: its forward updates the running statistics in the loaded buffers, which the hook drops after the
-forward. Expected: the evaluated model equal to the in-memory one.
+Then BatchNorm offloaded with its buffers (``offload_buffers=True``) runs in training mode: the statistics its forward
+updates in the loaded buffers are dropped after it. Expected: the evaluated model equal to the in-memory one.
 
 Fails with: AssertionError
 """
@@ -53,8 +52,7 @@ with tempfile.TemporaryDirectory() as folder:
     for m in (model, reference):
         m.train()
         with torch.no_grad():  # BatchNorm updates its running statistics in place
-            m(x)
-            m(x + 1)
+            m(x), m(x + 1)
         m.eval()
     with torch.no_grad():
         assert torch.equal(model(x), reference(x)), "the forward's writes into the offloaded buffers were lost"
