@@ -15,10 +15,10 @@ then on; the user's offload folder is never written); a write into a tied weight
 updates its running statistics without moving their ``_version``, and an inference tensor (loaded under
 ``torch.inference_mode``) has none: for a module in training mode the buffers' values are copied at the load and
 compared instead (the statistics BatchNorm and ``spectral_norm`` update there are small). Not seen: a write a
-forward makes through ``.data`` (it moves no ``_version``) or into a parameter under ``inference_mode``. Quantized classes (``Params4bit``) are their library's:
-bitsandbytes repacks 4-bit weights on a first forward. Callers that onload a module for an operation of their
-own, and apply the store's rule themselves, settle it before offloading it again
-(:func:`metapatch._offload.store.settle`).
+forward makes through ``.data`` (it moves no ``_version``) or into a parameter under ``inference_mode``.
+Quantized classes (``Params4bit``) are their library's: bitsandbytes repacks 4-bit weights on a first forward.
+Callers that onload a module for an operation of their own, and apply the store's rule themselves, settle it
+before offloading it again (:func:`metapatch._offload.store.settle`).
 
 Nothing here imports torch or accelerate at import time.
 """

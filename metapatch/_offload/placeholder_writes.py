@@ -11,9 +11,9 @@ Here the placeholders an offload hook creates (its ``init_hook`` and every ``pos
 their class becomes :func:`placeholder_class` (an ``nn.Parameter`` subclass, still ``meta``, which turns
 back into a plain ``nn.Parameter`` the moment accelerate builds one around a loaded value, so a forward
 runs on plain parameters), remembering the module and name they stand for; with ``offload_buffers=True`` a
-buffer's placeholder is marked the same way (a ``torch.Tensor`` subclass: BatchNorm's ``reset_running_stats()``). A write into a marked
-placeholder, directly (in place, ``out=``, ``__setitem__``, under ``no_grad`` or
-``inference_mode``) or through ``.data`` and views of it (``weight.data[3]``, ``weight.data[:, :8]``),
+buffer's placeholder is marked the same way (a ``torch.Tensor`` subclass: BatchNorm's
+``reset_running_stats()``). A write into a marked placeholder, directly (in place, ``out=``, ``__setitem__``,
+under ``no_grad`` or ``inference_mode``) or through ``.data`` and views of it (``weight.data[3]``, ``weight.data[:, :8]``),
 is replayed on the stored value, copied into CPU memory once, and kept in the hook's
 :class:`~metapatch._offload.store.Overlay` (the user's offload folder and checkpoint are never written):
 the next forward, ``save_pretrained`` and every later write read it from there, as they read the
