@@ -13,8 +13,8 @@ back into a plain ``nn.Parameter`` the moment accelerate builds one around a loa
 runs on plain parameters), remembering the module and name they stand for; with ``offload_buffers=True`` a
 buffer's placeholder is marked the same way (a ``torch.Tensor`` subclass: BatchNorm's
 ``reset_running_stats()``). A write into a marked placeholder, directly (in place, ``out=``, ``__setitem__``,
-under ``no_grad`` or ``inference_mode``) or through ``.data`` and views of it (``weight.data[3]``, ``weight.data[:, :8]``),
-is replayed on the stored value, copied into CPU memory once, and kept in the hook's
+under ``no_grad`` or ``inference_mode``) or through ``.data`` and views of it (``weight.data[3]``,
+``weight.data[:, :8]``), is replayed on the stored value, copied into CPU memory once, and kept in the hook's
 :class:`~metapatch._offload.store.Overlay` (the user's offload folder and checkpoint are never written):
 the next forward, ``save_pretrained`` and every later write read it from there, as they read the
 in-memory model's tensor. A write whose value is itself unknown (a meta source), that would change the
