@@ -25,37 +25,18 @@ Nothing here imports torch or accelerate at import time.
 
 from __future__ import annotations
 
-from typing import Any, List, Tuple
+from typing import Any
 
 from metapatch._offload.offloaded_weights import OffloadedWriteError
-from metapatch._offload.store import LOADED_VERSION, TIED_MARK, hook_tensors, keep, refuse
-
-_PLAIN: set = set()  # torch's plain tensor classes, filled on first use (a type check per tensor and forward)
-
-
-def _slot_tensors(module: Any, hook: Any) -> List[Tuple[str, Any]]:
-    """(name, tensor) of what ``hook`` loads into ``module``; its own parameters in the common case, without
-    building accelerate's list (this runs twice per forward)."""
-    if not hook.place_submodules and not hook.offload_buffers:
-        return [(name, tensor) for name, tensor in module._parameters.items() if tensor is not None]
-    return hook_tensors(module, hook)
-
-
-def _plain(tensor: Any) -> bool:
-    if not _PLAIN:
-        import torch
-
-        _PLAIN.update((torch.nn.Parameter, torch.Tensor))
-    return type(tensor) in _PLAIN
-
+from metapatch._offload.store import LOADED_VERSION, TIED_MARK, keep, refuse, slot_tensors, torch_plain
 
 def note_versions(module: Any, hook: Any) -> None:
     """After ``hook`` loaded ``module``'s tensors: remember where each one's ``_version`` stands, or, for a buffer of a
     module in training mode, its values (BatchNorm's kernel updates its running statistics without moving their
     ``_version``, measured on torch 2.13; an inference tensor has none)."""
     buffers = None
-    for name, tensor in _slot_tensors(module, hook):
-        if tensor.is_meta or not _plain(tensor):
+    for name, tensor in slot_tensors(module, hook):
+        if tensor.is_meta or not torch_plain(tensor):
             continue
         if module.training:
             if buffers is None:
@@ -83,7 +64,7 @@ def keep_forward_writes(module: Any, hook: Any) -> None:
     the hook to serve; a write into a tied weight raises :class:`OffloadedWriteError` (accelerate serves each tied
     copy from its own hook, so keeping one would leave the other with the old value)."""
     tied = []
-    for name, tensor in _slot_tensors(module, hook):
+    for name, tensor in slot_tensors(module, hook):
         if tensor.is_meta or LOADED_VERSION not in tensor.__dict__ or not _written(tensor):
             continue
         del tensor.__dict__[LOADED_VERSION]

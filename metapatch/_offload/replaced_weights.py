@@ -20,44 +20,25 @@ Nothing here imports torch or accelerate at import time.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional
 
 from metapatch._offload.hook_state import weights_map_of
 from metapatch._offload.placeholder_writes import describe, write_error
 from metapatch._offload.holds import held
-from metapatch._offload.store import HOOK_LOADED, hook_tensors, overlay_of, plain_tensor
+from metapatch._offload.store import HOOK_LOADED, overlay_of, plain_tensor, slot_tensors, torch_plain
 
 
-def _slot_tensors(module: Any, hook: Any) -> List[Tuple[str, Any]]:
-    """(name, tensor) of what ``hook`` loads into ``module``: its own parameters in the common case, without
-    building accelerate's list (this runs at every load)."""
-    if not hook.place_submodules and not hook.offload_buffers:
-        return [(name, tensor) for name, tensor in module._parameters.items() if tensor is not None]
-    return hook_tensors(module, hook)
-
-
-# The plain tensor classes (torch's), filled on first use: a type check per loaded tensor and forward instead of
-# plain_tensor's import.
-_PLAIN: set = set()
 _LOADED_OTHERS: List[Any] = []  # [WeakIdKeyDictionary: a loaded tensor of a quantized class -> True], built on first use
-
-
-def _plain_classes() -> None:
-    import torch
-
-    _PLAIN.update((torch.nn.Parameter, torch.Tensor))
 
 
 def note_loaded(module: Any, hook: Any) -> None:
     """After ``hook`` loaded ``module``'s weights: tag them as the hook's (see :func:`adopt_replacements`). A plain
     tensor carries the tag in its ``__dict__``; a quantized class (``Params4bit``) is remembered by identity instead:
     accelerate rebuilds one with its ``__dict__`` as keyword arguments, which bitsandbytes < 0.50 refuses."""
-    if not _PLAIN:
-        _plain_classes()
-    for _, tensor in _slot_tensors(module, hook):
+    for _, tensor in slot_tensors(module, hook):
         if tensor.is_meta:
             continue
-        if type(tensor) in _PLAIN or plain_tensor(tensor):
+        if torch_plain(tensor) or plain_tensor(tensor):
             tensor.__dict__[HOOK_LOADED] = True
         else:
             if not _LOADED_OTHERS:
@@ -89,7 +70,7 @@ def adopt_replacements(module: Any, hook: Any) -> None:
     next forward too; an inference tensor is copied (accelerate cannot make a parameter of one)."""
     if held(hook):
         return
-    replaced = [(name, tensor) for name, tensor in _slot_tensors(module, hook)
+    replaced = [(name, tensor) for name, tensor in slot_tensors(module, hook)
                 if not tensor.is_meta and not _hook_loaded(tensor)]
     if not replaced or weights_map_of(hook) is None:
         return

@@ -39,6 +39,27 @@ def hook_tensors(module: Any, hook: Any) -> List[Tuple[str, Any]]:
                                      remove_non_persistent=True))
 
 
+def slot_tensors(module: Any, hook: Any) -> List[Tuple[str, Any]]:
+    """(name, tensor) of what ``hook`` loads into ``module``: its own parameters in the common case, without
+    building accelerate's list (this runs at every load and offload)."""
+    if not hook.place_submodules and not hook.offload_buffers:
+        return [(name, tensor) for name, tensor in module._parameters.items() if tensor is not None]
+    return hook_tensors(module, hook)
+
+
+_TORCH_PLAIN: set = set()  # torch's plain tensor classes, filled on first use
+
+
+def torch_plain(tensor: Any) -> bool:
+    """``tensor`` is of torch's own plain classes (``Tensor``, ``Parameter``), not a subclass: a type check cheap
+    enough for every loaded tensor and forward."""
+    if not _TORCH_PLAIN:
+        import torch
+
+        _TORCH_PLAIN.update((torch.nn.Parameter, torch.Tensor))
+    return type(tensor) in _TORCH_PLAIN
+
+
 class Overlay(Mapping):
     """A hook's weights map once an operation wrote into its module (or a resize replaced its tensors,
     offloaded-resize-token-embeddings, or a dtype conversion converted them, offloaded-dtype-conversion):
