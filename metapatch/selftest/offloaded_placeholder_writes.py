@@ -18,6 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Dict
 
+from . import NotApplicable
 from ._device import main_device, to_device
 from ._harness import Scenario
 from ._models import device_input_ids, max_abs_diff, save_tiny_llama
@@ -168,6 +169,7 @@ def batchnorm_statistics(workdir: Path) -> Dict[str, Any]:
     ``no_grad``), then evaluated: the reset writes into the buffers' meta placeholders between forwards, and
     BatchNorm's forward updates the statistics in place, in the loaded tensors the hook drops after it."""
     import torch
+    import transformers
     from transformers import ResNetForImageClassification
 
     checkpoint = _saved_resnet(workdir)
@@ -176,8 +178,16 @@ def batchnorm_statistics(workdir: Path) -> Dict[str, Any]:
     reference = to_device(ResNetForImageClassification.from_pretrained(checkpoint))
     device_map = {"resnet.embedder": main_device(), "resnet.encoder": "disk", "resnet.pooler": main_device(),
                   "classifier": main_device()}
-    model = ResNetForImageClassification.from_pretrained(checkpoint, device_map=device_map, offload_buffers=True,
-                                                         offload_folder=str(workdir / "offload"))
+    try:
+        model = ResNetForImageClassification.from_pretrained(checkpoint, device_map=device_map, offload_buffers=True,
+                                                             offload_folder=str(workdir / "offload"))
+    except AttributeError as exc:
+        if "is not an nn.Parameter" not in str(exc):
+            raise
+        # transformers 5.2.0 (measured; 4.57.1 and 5.7.0-5.25.0 load it) asks for the offloaded BatchNorm's
+        # running_mean as a tied parameter while it finishes the load, with and without metapatch
+        raise NotApplicable(f"transformers {transformers.__version__} cannot load a model with offload_buffers=True "
+                            f"({exc})") from None
     assert model.resnet.encoder.stages[0].layers[0].layer[0].normalization.running_mean.is_meta, \
         "the encoder's buffers were meant to be offloaded"
     logits = []
