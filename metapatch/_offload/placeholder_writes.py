@@ -13,9 +13,11 @@ back into a plain ``nn.Parameter`` the moment accelerate builds one around a loa
 runs on plain parameters), remembering the module and name they stand for; with ``offload_buffers=True`` a
 buffer's placeholder is marked the same way (a ``torch.Tensor`` subclass: BatchNorm's
 ``reset_running_stats()``). A write into a marked placeholder, directly (in place, ``out=``, ``__setitem__``,
-under ``no_grad`` or ``inference_mode``) or through ``.data`` and views of it (``weight.data[3]``,
-``weight.data[:, :8]``), is replayed on the stored value, copied into CPU memory once, and kept in the hook's
-:class:`~metapatch._offload.store.Overlay` (the user's offload folder and checkpoint are never written):
+under ``no_grad`` or ``inference_mode``), through ``.data`` and views of it (``weight.data[3]``,
+``weight.data[:, :8]``), through a ``state_dict()`` entry, or by a torch function given it (``torch.relu_(w)``,
+``out=w``, ``torch._foreach_mul_(params, s)``, ``torch.nn.init.trunc_normal_(w)``), is replayed on the stored
+value, copied into CPU memory once, and kept in the hook's :class:`~metapatch._offload.store.Overlay` (the user's
+offload folder and checkpoint are never written):
 the next forward, ``save_pretrained`` and every later write read it from there, as they read the
 in-memory model's tensor. A write whose value is itself unknown (a meta source), that would change the
 tensor's shape or dtype, that aims at a tied weight (each tied copy is served by its own hook) or at a
@@ -41,6 +43,7 @@ from metapatch._offload.offloaded_weights import OffloadedWriteError
 from metapatch._offload.store import TIED_MARK, convert, overlay_of
 
 SLOT = "_metapatch_placeholder_of"  # in a marked placeholder's __dict__: (weakref to module, local dotted name)
+ALIAS = "_metapatch_entry_of"  # in a state_dict() entry's __dict__: the marked placeholder it aliases
 PARTNERS = "_metapatch_tie_partners"  # in a module's __dict__: {name: (weakref to the tied module, its name)}
 
 _CLASSES: Dict[str, Any] = {}
@@ -301,6 +304,28 @@ def _write(func: Any, args: tuple, kwargs: dict) -> Any:
     store.keep()
 
 
+_NOT_ROUTED = object()  # a torch function the marked placeholder leaves to torch
+
+
+def _replay_call(function: Any, frame: Any, placeholder: Any) -> None:
+    """Call ``function`` with the arguments ``frame`` (its own call, stopped at its first line's meta check) was
+    given, ``placeholder`` replaced by its stored value in CPU memory, and keep the value."""
+    import torch
+
+    code = frame.f_code
+    names = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
+    store = _Materialised()
+    # Outside inference mode, as in _write: a value copied under it could not be written by the next call outside.
+    with torch.inference_mode(False), torch.no_grad():
+        arguments = {}
+        for name in names:
+            value = frame.f_locals[name]
+            arguments[name] = store.of(value, copy=False) if value is placeholder else value
+        positional = [arguments.pop(name) for name in code.co_varnames[:code.co_argcount]]
+        function(*positional, **arguments)
+    store.keep()
+
+
 def _part(func: Any, index: int, view: Any, *args: Any, **kwargs: Any) -> Any:
     """The ``index``-th view ``func`` (``split``, ``unbind``, ``chunk``...) makes of ``view``: one step of a chain."""
     return func(view, *args, **kwargs)[index]
@@ -357,8 +382,7 @@ def _build_classes() -> Tuple[Any, Any, Any]:
                     # parameter keeps its value in memory too
                     return args[0]
                 _write(func, args, kwargs)
-                written = next(a for a in list(args) + list(kwargs.values()) if isinstance(a, PlaceholderData))
-                return written
+                return _first_data(list(args) + list(kwargs.values()))
             unwrapped_args = tree_map(lambda v: v._inner if isinstance(v, PlaceholderData) else v, args)
             unwrapped_kwargs = tree_map(lambda v: v._inner if isinstance(v, PlaceholderData) else v, kwargs)
             out = func(*unwrapped_args, **unwrapped_kwargs)
@@ -379,6 +403,13 @@ def _build_classes() -> Tuple[Any, Any, Any]:
         def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
             return disabled(func, types, _scalar_as_tensor(func, args), kwargs or {})
 
+    def _first_data(values: List[Any]) -> Any:
+        """What an in-place aten write returns: the written tensor (``None`` for a ``_foreach_`` list)."""
+        for value in values:
+            if isinstance(value, PlaceholderData):
+                return value
+        return None
+
     def _scalar_as_tensor(func: Any, args: tuple) -> tuple:
         """``weight[3] = 1.0``: torch would wrap the number in a tensor on the target's device (meta), which looks
         like a source of unknown value; a CPU tensor of the target's dtype holds the same number."""
@@ -386,6 +417,82 @@ def _build_classes() -> Tuple[Any, Any, Any]:
                                                                                                        bool)):
             return (args[0], args[1], torch.tensor(args[2], dtype=args[0].dtype))
         return args
+
+    is_meta_attribute = torch._C.TensorBase.__dict__["is_meta"]  # torch hands __torch_function__ its __get__
+
+    def _writable(value: Any) -> bool:
+        """A marked placeholder (or a ``state_dict()`` entry of one) torch lets a call write (no autograd recording
+        it): the call writes its data."""
+        return isinstance(value, _Marked) and (SLOT in value.__dict__ or ALIAS in value.__dict__) \
+            and value.is_meta and not (value.requires_grad and torch.is_grad_enabled())
+
+    def _data_of(value: Any) -> Any:
+        """The :class:`PlaceholderData` a call on ``value`` writes through: the placeholder itself, or what its
+        ``state_dict()`` entry aliases (set_ on an entry re-points the entry only, as in memory)."""
+        root = value.__dict__.get(ALIAS)
+        return PlaceholderData(data_getter(value), root if root is not None else value, (), itself=root is None)
+
+    def _as_data(value: Any) -> Any:
+        return _data_of(value) if _writable(value) else value
+
+    def _route_write(func: Any, args: tuple, kwargs: dict) -> Any:
+        """``func`` with the placeholder it writes (its first argument, each placeholder of a ``_foreach_`` list,
+        ``out=``) as its :class:`PlaceholderData`: the write is replayed on the stored value. Sources stay
+        placeholders (a write from one is refused: its values are unknown here)."""
+        name = getattr(func, "__name__", "")
+        if name.startswith("_foreach_") and args and isinstance(args[0], (list, tuple)):
+            return _route_foreach(func, args, kwargs)
+        if "out" in kwargs:
+            out = kwargs["out"]
+            routed_out = type(out)(_as_data(v) for v in out) if isinstance(out, (list, tuple)) else _as_data(out)
+            if routed_out is out or (isinstance(out, (list, tuple)) and all(a is b for a, b in zip(routed_out, out))):
+                return _NOT_ROUTED
+            result = func(*args, **{**kwargs, "out": routed_out})
+            return out if isinstance(result, PlaceholderData) or isinstance(out, (list, tuple)) else result
+        if not args or not _writable(args[0]) or not _is_write_method(name):
+            return _NOT_ROUTED
+        data = _as_data(args[0])
+        result = func(data, *args[1:], **kwargs)
+        return args[0] if result is data else result
+
+    def _route_foreach(func: Any, args: tuple, kwargs: dict) -> Any:
+        """A ``_foreach_`` write over a list holding marked placeholders: each placeholder's entry is its own call
+        (the lists are aligned by index, so the entries are independent), the rest one call, as torch's."""
+        written = args[0]
+        marked = [i for i, value in enumerate(written) if _writable(value)]
+        if not marked or not _is_write_method(getattr(func, "__name__", "")):
+            return _NOT_ROUTED
+        aligned = [isinstance(a, (list, tuple)) and len(a) == len(written) for a in args]
+
+        def entries(indices: List[int], routed: bool) -> tuple:
+            picked = []
+            for position, argument in enumerate(args):
+                if not aligned[position]:
+                    picked.append(argument)
+                    continue
+                part = [argument[i] for i in indices]
+                picked.append([_as_data(v) for v in part] if routed and position == 0 else part)
+            return tuple(picked)
+
+        rest = [i for i in range(len(written)) if i not in set(marked)]
+        if rest:
+            disabled(func, (), entries(rest, False), kwargs)
+        for index in marked:
+            func(*entries([index], True), **kwargs)
+        return None  # torch's in-place _foreach_ functions return None
+
+    def _is_meta_asked(tensor: Any, caller: Any) -> bool:
+        """``tensor.is_meta``. Since torch 2.13, ``torch.nn.init``'s ``trunc_normal_``, ``orthogonal_``,
+        ``dirac_`` and ``sparse_`` return at once on a meta tensor, before any write: asked by one of them about a
+        writable marked placeholder, the function runs here on the stored value (its own arguments, the
+        placeholder's value in its place), the result is kept, and the answer (meta) lets the call on the
+        placeholder return unchanged, as it did."""
+        if caller.f_globals.get("__name__") == "torch.nn.init" and caller.f_code.co_name.endswith("_") \
+                and _writable(tensor):  # an in-place init (torch's naming), not a reader such as a fan count
+            function = caller.f_globals.get(caller.f_code.co_name)
+            if getattr(function, "__code__", None) is caller.f_code:
+                _replay_call(function, caller, tensor)
+        return True
 
     class _Marked:
         """What a marked placeholder (a parameter's or a buffer's) overrides: writes into it reach the offload
@@ -434,17 +541,40 @@ def _build_classes() -> Tuple[Any, Any, Any]:
                     f"would hold no values: accelerate serves the weight from its offload store. Register the "
                     f"parametrization before dispatching the model, or keep that module in memory (device_map).")
             data = data_getter(self)
-            if caller is save_to_state_dict_code or not data.is_meta:
+            if not data.is_meta:
                 return tensor_detach(self)
+            if caller is save_to_state_dict_code:
+                # A state_dict() entry aliases the weight in memory (``model.state_dict()[k].copy_(v)``, an EMA's
+                # update): a plain meta tensor, as torch's, which every reader of a state dict takes as one (storage,
+                # pickling, safetensors), but whose writes reach the store, as the placeholder's do.
+                entry = tensor_detach(self)
+                entry.__class__ = _CLASSES["entry"]
+                entry.__dict__[ALIAS] = self
+                return entry
             return PlaceholderData(data, self, ())
 
-        # No __torch_function__: accelerate reads every placeholder's device, dtype, shape and data_ptr() as it
-        # loads it, and on a class with one each read is a call into Python (about 12 us, measured). ``.data`` and
-        # the writing and viewing methods are overridden instead (below); attribute reads stay torch's own.
+        @classmethod
+        def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+            """torch's in-place *functions* given a marked placeholder (``torch.relu_(w)``, ``torch.fill_(w, v)``,
+            ``torch.add(a, b, out=w)``, ``torch._foreach_mul_(params, s)``, ``torch.nn.init.eye_``) write it as its
+            methods do: they run on its :class:`PlaceholderData`. Every other call is torch's, on plain tensors, as
+            ``nn.Parameter``'s disabled override gives (a Python call per attribute read: about 1 us, measured)."""
+            kwargs = kwargs or {}
+            if getattr(func, "__self__", None) is is_meta_attribute:
+                return _is_meta_asked(args[0], sys._getframe(1))
+            if "out" in kwargs or _is_write_method(getattr(func, "__name__", "")):
+                routed = _route_write(func, args, kwargs)
+                if routed is not _NOT_ROUTED:
+                    return routed
+            return disabled(func, types, args, kwargs)
+
         @property
         def data(self) -> Any:
             data = data_getter(self)
-            return PlaceholderData(data, self, ()) if data.is_meta and SLOT in self.__dict__ else data
+            if not data.is_meta:
+                return data
+            root = self if SLOT in self.__dict__ else self.__dict__.get(ALIAS)
+            return PlaceholderData(data, root, ()) if root is not None else data
 
         @data.setter
         def data(self, value: Any) -> None:
@@ -467,11 +597,18 @@ def _build_classes() -> Tuple[Any, Any, Any]:
         def _plain(self, tensor: Any) -> Any:
             return torch.nn.Parameter(tensor, self.requires_grad)
 
+    class OffloadedEntry(_Marked, torch.Tensor):
+        """A ``state_dict()`` entry of a marked placeholder (a meta tensor): writes into it are writes into the
+        placeholder, as a state dict's entries alias the model's tensors in memory."""
+
+        def _plain(self, tensor: Any) -> Any:
+            return tensor
+
+    _CLASSES["entry"] = OffloadedEntry
+
     class OffloadedBuffer(_Marked, torch.Tensor):
         """A buffer's meta placeholder an offload hook serves (``offload_buffers=True``): BatchNorm's running
         statistics, reset between forwards by ``reset_running_stats()``."""
-
-        __torch_function__ = disabled  # as nn.Parameter's: torch's functions return plain tensors
 
         def _plain(self, tensor: Any) -> Any:
             return tensor
@@ -483,8 +620,8 @@ def _build_classes() -> Tuple[Any, Any, Any]:
         original = getattr(torch.Tensor, name)
 
         def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if SLOT in self.__dict__ and self.is_meta and not (self.requires_grad and torch.is_grad_enabled()):
-                data = PlaceholderData(data_getter(self), self, (), itself=True)
+            if _writable(self):
+                data = _data_of(self)
                 if name == "__setitem__":
                     args = _scalar_as_tensor(original, (data, *args))[1:]
                 result = getattr(data, name)(*args, **kwargs)

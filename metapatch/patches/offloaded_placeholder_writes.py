@@ -17,7 +17,7 @@ marked one is replayed on the stored value in CPU memory and kept in front of th
 in-memory model's write, and ``save_pretrained`` writes it. A write that cannot be kept (its source is itself a
 placeholder, it changes shape or dtype, the weight is tied to another module's) raises. Marking costs a class
 assignment per offloaded parameter and forward; the marked class overrides ``.data`` and torch's writing and
-viewing methods only, so accelerate's attribute reads while loading stay torch's own (``benchmarks/RESULTS.md``).
+viewing methods (``benchmarks/RESULTS.md``).
 
 Replacing the placeholder is the same write by other means: ``module.weight = nn.Parameter(v)``,
 ``load_state_dict(..., assign=True)``, a parameter registered on an offloaded module after dispatch. Upstream the
@@ -37,10 +37,18 @@ loaded buffers, silently (``eval()`` then normalises with the stored statistics)
 With ``offload_buffers=True`` the buffers' placeholders are marked as the parameters' are: ``reset_running_stats()``
 between forwards (a BatchNorm recalibration starts with it) reaches the store.
 
-Not seen: into 4-bit ``Params4bit``
-placeholders (their own class), or into placeholders of hooks attached before metapatch was imported until
-their next forward; in-place *functions* given the placeholder (``torch.relu_(w)``, ``out=w``,
-``torch._foreach_*``): only methods are overridden. A parametrization registered on an offloaded module
+torch's in-place *functions* given the placeholder write it as its methods do (``torch.relu_(w)``,
+``torch.add(a, b, out=w)``, ``torch._foreach_mul_`` over a parameter list, each placeholder's entry on its own),
+and so do the ``torch.nn.init`` functions that since torch 2.13 return at once on a meta tensor (``trunc_normal_``,
+``orthogonal_``, ``dirac_``, ``sparse_``: run on the stored value in CPU memory, so a random one draws from the CPU
+generator where the in-memory weight would be on a GPU: the same distribution, other numbers). A ``state_dict()``
+entry of a placeholder aliases it, as in memory (``model.state_dict()[k].copy_(v)``); one taken before a forward
+(which puts new placeholders in place) raises. The marked class's ``__torch_function__`` calls torch's disabled
+override directly: about 1 us per attribute read accelerate makes while loading.
+
+Not seen: into 4-bit ``Params4bit`` placeholders (their own class), into placeholders of hooks attached before
+metapatch was imported until their next forward, and a forward's write through ``.data`` of what it loaded.
+A parametrization registered on an offloaded module
 (``weight_norm``, ``spectral_norm``, ``orthogonal``) takes the placeholder as its original: upstream the module
 then computes with meta values, silently wrong (``weight_norm``, ``spectral_norm``: logits off by 1e11 and more on
 torch 2.13's CPU); with the placeholder marked the registration raises ``OffloadedWriteError``: ``spectral_norm``

@@ -90,6 +90,25 @@ WRITES = {
     "chunk-columns": lambda m: m.model.layers[3].mlp.up_proj.weight.chunk(4, dim=1)[2].zero_(),
     "data-tensor-split-of-view": lambda m: m.lm_head.weight.data[:, 8:40].tensor_split(3, dim=1)[1].add_(1.0),
     "data-assigned": lambda m: setattr(m.model.layers[3].mlp.up_proj.weight, "data", torch.full((128, 64), 0.03)),
+    # torch's in-place *functions* given the placeholder, not its methods
+    "function-relu": lambda m: torch.relu_(m.lm_head.weight),
+    "function-fill": lambda m: torch.fill_(m.model.layers[1].post_attention_layernorm.weight, 0.75),
+    "function-out": lambda m: torch.add(torch.ones(64), 2.0, out=m.model.layers[3].post_attention_layernorm.weight),
+    "function-tensor-method-unbound": lambda m: torch.Tensor.mul_(m.model.layers[1].self_attn.v_proj.weight, -1.0),
+    # an optimizer-style update over a list mixing offloaded (layers 1, 3) and in-memory (layer 2) parameters
+    "foreach-mixed": lambda m: torch._foreach_mul_(
+        [p for i in (1, 2, 3) for p in m.model.layers[i].mlp.parameters()], [0.5, 2.0, 0.25] * 3),
+    "foreach-add-scalar": lambda m: torch._foreach_add_(list(m.lm_head.parameters()), 0.125),
+    # torch.nn.init functions that return at once on a meta tensor since torch 2.13, and one that writes via out=
+    "init-trunc-normal": lambda m: (torch.manual_seed(0), torch.nn.init.trunc_normal_(m.lm_head.weight, std=0.5)),
+    "init-orthogonal": lambda m: (torch.manual_seed(0), torch.nn.init.orthogonal_(m.model.layers[3].mlp.up_proj.weight)),
+    "init-sparse": lambda m: (torch.manual_seed(0), torch.nn.init.sparse_(m.model.layers[1].mlp.down_proj.weight, 0.5)),
+    "init-eye": lambda m: torch.nn.init.eye_(m.model.layers[3].self_attn.o_proj.weight),
+    "init-kaiming": lambda m: (torch.manual_seed(0), torch.nn.init.kaiming_uniform_(m.lm_head.weight)),
+    # a state dict's entries alias the model's tensors (an EMA's update, a hand-written load)
+    "state-dict-copy": lambda m: m.state_dict()["lm_head.weight"].copy_(torch.full((128, 64), 0.01)),
+    "state-dict-row": lambda m: m.state_dict()["model.layers.1.mlp.up_proj.weight"][3].fill_(1.5),
+    "state-dict-data": lambda m: m.state_dict()["model.layers.3.input_layernorm.weight"].data.mul_(3.0),
 }
 
 
@@ -548,14 +567,34 @@ def test_a_parametrization_of_an_offloaded_weight_is_refused_at_registration(che
 @in_range
 def test_a_parameter_made_from_an_offloaded_placeholder_is_refused(checkpoint, tmp_path):
     """``nn.Parameter(placeholder)`` would hold meta, not the stored values: refused in words (upstream: a parameter
-    of meta, silently; before, torch's RuntimeError about detach() semantics). ``state_dict()``'s entries stay torch's
-    plain meta tensors."""
+    of meta, silently; before, torch's RuntimeError about detach() semantics). ``state_dict()``'s entries are meta
+    tensors, not parameters, and pickle as plain ones."""
     model = _load(checkpoint, tmp_path / "offload")
     placeholder = model.lm_head.weight
     assert placeholder.is_meta and type(placeholder).__name__ == "OffloadedPlaceholder"
     with pytest.raises(OffloadedWriteError, match=r"nn.Parameter made from Linear.weight"):
         torch.nn.Parameter(placeholder)
-    assert type(model.state_dict()["lm_head.weight"]) is torch.Tensor
+    entry = model.state_dict()["lm_head.weight"]
+    assert entry.is_meta and not isinstance(entry, torch.nn.Parameter) and not entry.requires_grad
+    import io
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    buffer.seek(0)
+    assert type(torch.load(buffer, weights_only=True)["lm_head.weight"]) is torch.Tensor
+
+
+@in_range
+def test_a_state_dict_entry_taken_before_a_forward_is_refused_after_it(checkpoint, tmp_path):
+    """Each forward puts a new placeholder in place of the one an earlier ``state_dict()`` entry aliases: a write
+    into that entry would reach nothing the model serves, so it raises and keeps nothing (in memory it would land)."""
+    model = _load(checkpoint, tmp_path / "offload")
+    entries = model.state_dict()
+    untouched = _logits(model)
+    with pytest.raises(OffloadedWriteError, match="no longer serves it"):
+        entries["lm_head.weight"].fill_(0.5)
+    assert torch.equal(_logits(model), untouched)
+    model.state_dict()["lm_head.weight"].fill_(0.5)  # taken again: lands
+    assert not torch.equal(_logits(model), untouched)
 
 
 @in_range

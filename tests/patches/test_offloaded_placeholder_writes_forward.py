@@ -107,3 +107,35 @@ def test_eval_forwards_keep_nothing(tmp_path, device):
         offloaded(torch.randn(8, 4, device=device))
     assert not isinstance(offloaded.bn._hf_hook.weights_map, Overlay)  # nothing written, nothing copied
     assert type(offloaded.bn.running_mean).__name__ == "OffloadedBuffer"  # marked for a write between forwards
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("init", ["dirac", "orthogonal", "trunc_normal"])
+def test_an_init_that_returns_at_once_on_meta_reaches_an_offloaded_conv(tmp_path, device, init):
+    """Since torch 2.13 ``torch.nn.init.dirac_``, ``orthogonal_``, ``trunc_normal_`` (and ``sparse_``) return before
+    any write when the tensor is on meta, so upstream re-initialising an offloaded layer did nothing, silently;
+    with the patch the function runs on the stored value (random ones drawing as in memory)."""
+    from accelerate import dispatch_model
+
+    torch.manual_seed(2)
+    reference = torch.nn.Sequential(torch.nn.Conv1d(4, 4, 3, padding=1), torch.nn.Conv1d(4, 4, 3, padding=1))
+    offloaded = copy.deepcopy(reference)
+    reference.to(device)
+    dispatch_model(offloaded, device_map={"0": device, "1": "disk"}, offload_dir=str(tmp_path / "offload"),
+                   main_device=device)
+    assert offloaded[1].weight.is_meta
+    calls = {"dirac": lambda w: torch.nn.init.dirac_(w), "orthogonal": lambda w: torch.nn.init.orthogonal_(w),
+             "trunc_normal": lambda w: torch.nn.init.trunc_normal_(w, std=0.5)}
+    x = torch.randn(2, 4, 6, device=device)
+    with torch.no_grad():
+        untouched = reference(x)
+        for model in (reference, offloaded):
+            torch.manual_seed(3)
+            calls[init](model[1].weight)
+        assert not torch.equal(reference(x), untouched), "the init changed nothing: vacuous"
+        if init != "dirac" and device != "cpu":
+            # the stored value is in CPU memory, so a random init draws from the CPU generator, the in-memory
+            # weight on the device from the device's: the same distribution, other numbers
+            assert offloaded[1].weight.is_meta and not torch.equal(offloaded(x), untouched)
+            return
+        assert torch.equal(offloaded(x), reference(x))
