@@ -1,0 +1,354 @@
+"""The torch classes of marked placeholders: where a write into an offloaded weight's meta placeholder is caught.
+
+``OffloadedPlaceholder`` (a parameter's, an ``nn.Parameter`` subclass that turns back into a plain one when
+accelerate builds a parameter around a loaded value), ``OffloadedBuffer`` (a buffer's, ``offload_buffers=True``)
+and ``OffloadedEntry`` (a ``state_dict()`` entry of either, which aliases it as in memory) override ``.data``,
+``detach()``, torch's writing and viewing methods, and ``__torch_function__`` for torch's in-place functions
+(``torch.relu_(w)``, ``out=w``, ``torch._foreach_*``) and for the ``torch.nn.init`` functions that return at once on
+a meta tensor. Each runs the call on a ``PlaceholderData`` (``_make_wrapper_subclass``, meta), whose
+``__torch_dispatch__`` hands every aten write to :func:`metapatch._offload.write_replay.replay_write`.
+
+The classes are built on first use (:func:`placeholder_class`), when torch is imported already; nothing here
+imports torch or accelerate at import time.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import weakref
+from typing import Any, Dict, List, Optional, Tuple
+
+from metapatch._offload.write_replay import (ALIAS, RESHAPING, SLOT, assign, converted, describe, part, replay_call,
+                                             replay_write, write_error, writes_into)
+
+CLASSES: Dict[str, Any] = {}  # torch's and the marked classes, by role, once built
+
+# In-place methods that are no write of values (torch's names): left to torch.
+_NOT_WRITES = frozenset({"requires_grad_", "share_memory_", "detach_", "retain_grad", "record_stream",
+                         "pin_memory", "_fix_weakref", "register_hook"})
+# Functions that return a view of the placeholder (``weight[3]``, ``weight[:, :8]``, ``weight.t()``, each part of
+# ``weight.split(8)``, ``unbind``, ``chunk``): under ``no_grad`` their result carries the write rule (an in-place
+# init of a row goes through one). ``detach`` is not among them: it is ``.data`` (an alias under any grad mode),
+# and so is a ``state_dict()`` entry (:class:`OffloadedEntry`).
+_VIEWS = frozenset({"__getitem__", "select", "narrow", "view", "view_as", "reshape", "reshape_as", "flatten",
+                    "unflatten", "t", "transpose", "swapaxes", "swapdims", "permute", "squeeze", "unsqueeze",
+                    "expand", "expand_as", "diagonal", "movedim", "moveaxis", "as_strided", "unfold",
+                    "split", "split_with_sizes", "tensor_split", "unbind", "chunk", "hsplit", "vsplit", "dsplit"})
+
+
+def placeholder_class() -> Any:
+    """The class of a marked placeholder (built on first use: torch is imported by then)."""
+    if "placeholder" not in CLASSES:
+        import torch
+
+        CLASSES["parameter"], CLASSES["tensor"] = torch.nn.Parameter, torch.Tensor
+        CLASSES["placeholder"], CLASSES["buffer"], CLASSES["data"] = _build_classes()
+    return CLASSES["placeholder"]
+
+
+def _build_classes() -> Tuple[Any, Any, Any]:
+    import torch
+
+    not_routed = object()  # what _route_write answers for a call it leaves to torch
+    from torch.utils._pytree import tree_map
+
+    disabled = torch._C._disabled_torch_function_impl
+    data_getter = torch._C.TensorBase.data.__get__
+    data_setter = torch._C.TensorBase.data.__set__
+    tensor_detach = torch.Tensor.detach
+    parameter_new_code = getattr(torch.nn.Parameter.__new__, "__code__", None)
+    save_to_state_dict_code = torch.nn.Module._save_to_state_dict.__code__
+
+    class PlaceholderData(torch.Tensor):
+        """``placeholder.data`` (and views of it): the meta tensor upstream gives, whose writes are replayed on the
+        stored value."""
+
+        @staticmethod
+        def __new__(cls, inner: Any, root: Any, chain: Tuple[Any, ...], itself: bool = False) -> Any:
+            made = torch.Tensor._make_wrapper_subclass(
+                cls, inner.shape, strides=inner.stride(), storage_offset=inner.storage_offset(), dtype=inner.dtype,
+                device=inner.device, requires_grad=False)
+            # itself: stands for the parameter object (a direct call on it), not for an alias (.data, a view)
+            made._inner, made._root, made._chain, made._itself = inner, root, chain, itself
+            return made
+
+        def __repr__(self) -> str:
+            return repr(self._inner)
+
+        def __reduce_ex__(self, protocol: Any) -> Any:
+            return self._inner.__reduce_ex__(protocol)
+
+        @classmethod
+        def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+            kwargs = kwargs or {}
+            if writes_into(func, args, kwargs, PlaceholderData):
+                if func._schema.name.split("::")[-1] in RESHAPING and not (args and getattr(args[0], "_itself", 0)):
+                    # set_/resize_/squeeze_ on an alias (``weight.data.set_(t)``) re-points that alias only: the
+                    # parameter keeps its value in memory too
+                    return args[0]
+                replay_write(func, args, kwargs, PlaceholderData)
+                return _first_data(list(args) + list(kwargs.values()))
+            unwrapped_args = tree_map(lambda v: v._inner if isinstance(v, PlaceholderData) else v, args)
+            unwrapped_kwargs = tree_map(lambda v: v._inner if isinstance(v, PlaceholderData) else v, kwargs)
+            out = func(*unwrapped_args, **unwrapped_kwargs)
+            returns = func._schema.returns
+            if not (args and isinstance(args[0], PlaceholderData) and returns and returns[0].alias_info is not None):
+                return out
+            # a view: writes into it are writes into the root
+            rest, root, chain = unwrapped_args[1:], args[0]._root, args[0]._chain
+            if isinstance(out, torch.Tensor):
+                return PlaceholderData(out, root, chain + ((func, rest, unwrapped_kwargs),))
+            if isinstance(out, (list, tuple)):  # views of parts (split, unbind, chunk): each replays as its part
+                return type(out)(PlaceholderData(piece, root, chain + ((functools.partial(part, func, index), rest,
+                                                                        unwrapped_kwargs),))
+                                 for index, piece in enumerate(out))
+            return out
+
+        @classmethod
+        def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+            return disabled(func, types, _scalar_as_tensor(func, args), kwargs or {})
+
+    def _first_data(values: List[Any]) -> Any:
+        """What an in-place aten write returns: the written tensor (``None`` for a ``_foreach_`` list)."""
+        for value in values:
+            if isinstance(value, PlaceholderData):
+                return value
+        return None
+
+    def _scalar_as_tensor(func: Any, args: tuple) -> tuple:
+        """``weight[3] = 1.0``: torch would wrap the number in a tensor on the target's device (meta), which looks
+        like a source of unknown value; a CPU tensor of the target's dtype holds the same number."""
+        if getattr(func, "__name__", "") == "__setitem__" and len(args) == 3 and isinstance(args[2], (int, float,
+                                                                                                       bool)):
+            return (args[0], args[1], torch.tensor(args[2], dtype=args[0].dtype))
+        return args
+
+    is_meta_attribute = torch._C.TensorBase.__dict__["is_meta"]  # torch hands __torch_function__ its __get__
+
+    def _writable(value: Any) -> bool:
+        """A marked placeholder (or a ``state_dict()`` entry of one) torch lets a call write (no autograd recording
+        it): the call writes its data."""
+        return isinstance(value, _Marked) and (SLOT in value.__dict__ or ALIAS in value.__dict__) \
+            and value.is_meta and not (value.requires_grad and torch.is_grad_enabled())
+
+    def _data_of(value: Any) -> Any:
+        """The :class:`PlaceholderData` a call on ``value`` writes through: the placeholder itself, or what its
+        ``state_dict()`` entry aliases (set_ on an entry re-points the entry only, as in memory)."""
+        root = value.__dict__.get(ALIAS)
+        return PlaceholderData(data_getter(value), root if root is not None else value, (), itself=root is None)
+
+    def _as_data(value: Any) -> Any:
+        return _data_of(value) if _writable(value) else value
+
+    def _route_write(func: Any, args: tuple, kwargs: dict) -> Any:
+        """``func`` with the placeholder it writes (its first argument, each placeholder of a ``_foreach_`` list,
+        ``out=``) as its :class:`PlaceholderData`: the write is replayed on the stored value. Sources stay
+        placeholders (a write from one is refused: its values are unknown here)."""
+        name = getattr(func, "__name__", "")
+        if name.startswith("_foreach_") and args and isinstance(args[0], (list, tuple)):
+            return _route_foreach(func, args, kwargs)
+        if "out" in kwargs:
+            out = kwargs["out"]
+            routed_out = type(out)(_as_data(v) for v in out) if isinstance(out, (list, tuple)) else _as_data(out)
+            if routed_out is out or (isinstance(out, (list, tuple)) and all(a is b for a, b in zip(routed_out, out))):
+                return not_routed
+            result = func(*args, **{**kwargs, "out": routed_out})
+            return out if isinstance(result, PlaceholderData) or isinstance(out, (list, tuple)) else result
+        if not args or not _writable(args[0]) or not _is_write_method(name):
+            return not_routed
+        data = _as_data(args[0])
+        result = func(data, *args[1:], **kwargs)
+        return args[0] if result is data else result
+
+    def _route_foreach(func: Any, args: tuple, kwargs: dict) -> Any:
+        """A ``_foreach_`` write over a list holding marked placeholders: each placeholder's entry is its own call
+        (the lists are aligned by index, so the entries are independent), the rest one call, as torch's."""
+        written = args[0]
+        marked = [i for i, value in enumerate(written) if _writable(value)]
+        if not marked or not _is_write_method(getattr(func, "__name__", "")):
+            return not_routed
+        aligned = [isinstance(a, (list, tuple)) and len(a) == len(written) for a in args]
+
+        def entries(indices: List[int], routed: bool) -> tuple:
+            picked = []
+            for position, argument in enumerate(args):
+                if not aligned[position]:
+                    picked.append(argument)
+                    continue
+                chosen = [argument[i] for i in indices]
+                picked.append([_as_data(v) for v in chosen] if routed and position == 0 else chosen)
+            return tuple(picked)
+
+        rest = [i for i in range(len(written)) if i not in set(marked)]
+        if rest:
+            disabled(func, (), entries(rest, False), kwargs)
+        for index in marked:
+            func(*entries([index], True), **kwargs)
+        return None  # torch's in-place _foreach_ functions return None
+
+    def _is_meta_asked(tensor: Any, caller: Any) -> bool:
+        """``tensor.is_meta``. Since torch 2.13, ``torch.nn.init``'s ``trunc_normal_``, ``orthogonal_``,
+        ``dirac_`` and ``sparse_`` return at once on a meta tensor, before any write: asked by one of them about a
+        writable marked placeholder, the function runs here on the stored value (its own arguments, the
+        placeholder's value in its place), the result is kept, and the answer (meta) lets the call on the
+        placeholder return unchanged, as it did."""
+        if caller.f_globals.get("__name__") == "torch.nn.init" and caller.f_code.co_name.endswith("_") \
+                and _writable(tensor):  # an in-place init (torch's naming), not a reader such as a fan count
+            function = caller.f_globals.get(caller.f_code.co_name)
+            if getattr(function, "__code__", None) is caller.f_code:
+                replay_call(function, caller, tensor)
+        return True
+
+    class _Marked:
+        """What a marked placeholder (a parameter's or a buffer's) overrides: writes into it reach the offload
+        store."""
+
+        _metapatch_placeholder = True
+
+        def _plain(self, tensor: Any) -> Any:  # a plain tensor of this placeholder's kind holding ``tensor``
+            raise NotImplementedError
+
+        def __deepcopy__(self, memo: Any) -> Any:
+            copied = self._plain(torch.empty_like(tensor_detach(self)))
+            memo[id(self)] = copied
+            # A deep copy of the model (a reference model for DPO/PPO): the copy of the module this placeholder
+            # stands for is in memo already (copy makes the module before its tensors), and its copied hook serves
+            # the copy. Marked for it, a write into the copy reaches the copy's store, as in memory.
+            ref, name = self.__dict__.get(SLOT, (None, ""))
+            module = ref() if ref is not None else None
+            module_copy = memo.get(id(module)) if module is not None else None
+            if module_copy is not None:
+                copied.__class__ = type(self)
+                copied.__dict__[SLOT] = (weakref.ref(module_copy), name)
+            return copied
+
+        def __reduce_ex__(self, protocol: Any) -> Any:
+            plain = self._plain(tensor_detach(self))
+            return type(plain).__reduce_ex__(plain, protocol)
+
+        def detach(self) -> Any:
+            """``weight.detach()`` aliases the weight, as ``weight.data`` does: on a marked placeholder it is the same
+            :class:`PlaceholderData`, so a write into it (``weight.detach().copy_(v)``) reaches the store, as in memory
+            it reaches the weight. ``state_dict()``'s entries stay torch's plain meta tensors."""
+            if SLOT not in self.__dict__:
+                return tensor_detach(self)
+            caller = sys._getframe(1).f_code
+            if caller is parameter_new_code:
+                # ``nn.Parameter(placeholder)`` (a parametrization's original: ``weight_norm``) would hold the meta
+                # placeholder, not the offloaded values, and torch refuses it anyway, in a line about detach()
+                # semantics (a subclass whose detach returns a plain tensor): refused here, in words.
+                ref, name = self.__dict__[SLOT]
+                module = ref()
+                raise write_error(
+                    f"metapatch: a new nn.Parameter made from "
+                    f"{describe(module, name) if module is not None else 'an offloaded weight'}, an offloaded "
+                    f"weight's meta placeholder (a parametrization such as weight_norm makes one of its original), "
+                    f"would hold no values: accelerate serves the weight from its offload store. Register the "
+                    f"parametrization before dispatching the model, or keep that module in memory (device_map).")
+            data = data_getter(self)
+            if not data.is_meta:
+                return tensor_detach(self)
+            if caller is save_to_state_dict_code:
+                # A state_dict() entry aliases the weight in memory (``model.state_dict()[k].copy_(v)``, an EMA's
+                # update): a plain meta tensor, as torch's, which every reader of a state dict takes as one (storage,
+                # pickling, safetensors), but whose writes reach the store, as the placeholder's do.
+                entry = tensor_detach(self)
+                entry.__class__ = CLASSES["entry"]
+                entry.__dict__[ALIAS] = self
+                return entry
+            return PlaceholderData(data, self, ())
+
+        @classmethod
+        def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+            """torch's in-place *functions* given a marked placeholder (``torch.relu_(w)``, ``torch.fill_(w, v)``,
+            ``torch.add(a, b, out=w)``, ``torch._foreach_mul_(params, s)``, ``torch.nn.init.eye_``) write it as its
+            methods do: they run on its :class:`PlaceholderData`. Every other call is torch's, on plain tensors, as
+            ``nn.Parameter``'s disabled override gives (a Python call per attribute read: about 1 us, measured)."""
+            kwargs = kwargs or {}
+            if getattr(func, "__self__", None) is is_meta_attribute:
+                return _is_meta_asked(args[0], sys._getframe(1))
+            if "out" in kwargs or _is_write_method(getattr(func, "__name__", "")):
+                routed = _route_write(func, args, kwargs)
+                if routed is not not_routed:
+                    return routed
+            return disabled(func, types, args, kwargs)
+
+        @property
+        def data(self) -> Any:
+            data = data_getter(self)
+            if not data.is_meta:
+                return data
+            root = self if SLOT in self.__dict__ else self.__dict__.get(ALIAS)
+            return PlaceholderData(data, root, ()) if root is not None else data
+
+        @data.setter
+        def data(self, value: Any) -> None:
+            if not value.is_meta and data_getter(self).is_meta and SLOT in self.__dict__:
+                assign(self, value)  # ``weight.data = t``: torch refuses a meta tensor a CPU value
+                return
+            before = self.dtype
+            data_setter(self, value)
+            if value.is_meta and value.dtype != before and SLOT in self.__dict__:
+                converted(self)  # Module._apply (.half(), .to(dtype) of any submodule) sets .data
+
+    class OffloadedPlaceholder(_Marked, torch.nn.Parameter):
+        """A parameter's meta placeholder an accelerate offload hook serves."""
+
+        def __new__(cls, data: Any = None, requires_grad: bool = True) -> Any:
+            if data is None or not data.is_meta:  # accelerate loading a value for a forward: a plain parameter
+                return torch.nn.Parameter(data, requires_grad)
+            return super().__new__(cls, data, requires_grad)
+
+        def _plain(self, tensor: Any) -> Any:
+            return torch.nn.Parameter(tensor, self.requires_grad)
+
+    class OffloadedEntry(_Marked, torch.Tensor):
+        """A ``state_dict()`` entry of a marked placeholder (a meta tensor): writes into it are writes into the
+        placeholder, as a state dict's entries alias the model's tensors in memory."""
+
+        def _plain(self, tensor: Any) -> Any:
+            return tensor
+
+    CLASSES["entry"] = OffloadedEntry
+
+    class OffloadedBuffer(_Marked, torch.Tensor):
+        """A buffer's meta placeholder an offload hook serves (``offload_buffers=True``): BatchNorm's running
+        statistics, reset between forwards by ``reset_running_stats()``."""
+
+        def _plain(self, tensor: Any) -> Any:
+            return tensor
+
+    def _redirected(name: str) -> Any:
+        """``OffloadedPlaceholder.<name>``: on a marked placeholder where torch allows the write (no autograd
+        recording it), the call runs on its :class:`PlaceholderData` (writes replayed into the store, views
+        carrying the rule); otherwise torch's own method."""
+        original = getattr(torch.Tensor, name)
+
+        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if _writable(self):
+                data = _data_of(self)
+                if name == "__setitem__":
+                    args = _scalar_as_tensor(original, (data, *args))[1:]
+                result = getattr(data, name)(*args, **kwargs)
+                return self if result is data else result
+            return original(self, *args, **kwargs)
+
+        method.__name__ = method.__qualname__ = name
+        return method
+
+    names = {name for name in dir(torch.Tensor) if _is_write_method(name) or name in _VIEWS}
+    for name in sorted(names):
+        if callable(getattr(torch.Tensor, name, None)):
+            setattr(_Marked, name, _redirected(name))
+
+    return OffloadedPlaceholder, OffloadedBuffer, PlaceholderData
+
+
+def _is_write_method(name: str) -> bool:
+    """Whether ``torch.Tensor.<name>`` writes its tensor's values (``__setitem__``, ``__iadd__``..., ``mul_``...)."""
+    if name == "__setitem__":
+        return True
+    if name.startswith("__i") and name.endswith("__"):  # __iadd__, __imul__, ...
+        return name not in ("__init__", "__index__", "__invert__", "__iter__")
+    return name.endswith("_") and not name.endswith("__") and name not in _NOT_WRITES

@@ -1,0 +1,202 @@
+"""Replaying a write into an offloaded weight's marked placeholder on the value its offload hook stores.
+
+A marked placeholder (:mod:`metapatch._offload.placeholder_writes`) stands for ``(module, name)`` of a hook's
+weights map. A write into it (an aten op through its ``PlaceholderData``, ``weight.data = t``, a dtype conversion,
+a ``torch.nn.init`` call run on the stored value) is replayed here: the stored value is copied into CPU memory
+once (:class:`Materialised`), written there, and kept in the hook's :class:`~metapatch._offload.store.Overlay`,
+which the next forward and ``save_pretrained`` read; or refused with
+:class:`~metapatch._offload.offloaded_weights.OffloadedWriteError` (a meta source, a change of shape or dtype, a
+tied weight, a placeholder its module no longer holds), keeping nothing. The torch classes that route writes here
+are :mod:`metapatch._offload.placeholder_classes`.
+
+Nothing here imports torch or accelerate at import time.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Tuple
+
+from metapatch._framework.records import MetapatchError
+from metapatch._offload.hook_state import offload_hook
+from metapatch._offload.offloaded_weights import OffloadedWriteError
+from metapatch._offload.store import TIED_MARK, convert, overlay_of
+
+SLOT = "_metapatch_placeholder_of"  # in a marked placeholder's __dict__: (weakref to module, local dotted name)
+ALIAS = "_metapatch_entry_of"  # in a state_dict() entry's __dict__: the marked placeholder it aliases
+PARTNERS = "_metapatch_tie_partners"  # in a module's __dict__: {name: (weakref to the tied module, its name)}
+
+# aten in-place ops that change a tensor's shape, strides or storage: replayed on a copy, so a refused
+# change leaves the kept value as it was.
+RESHAPING = frozenset({"set_", "resize_", "resize_as_", "as_strided_", "squeeze_", "unsqueeze_", "t_",
+                        "transpose_", "swapdims_", "swapaxes_", "detach_"})
+
+
+def write_error(message: str) -> Exception:
+    return OffloadedWriteError(message)
+
+
+def describe(module: Any, name: str) -> str:
+    return f"{type(module).__name__}.{name}"
+
+
+def owner(placeholder: Any, tied_ok: bool = False) -> Tuple[Any, str, Any]:
+    """(module, name as its weights map names it, hook) a marked placeholder stands for; raises when its
+    module no longer holds it (a copy of the model, the module loaded back) or serves it from no store."""
+    ref, name = placeholder.__dict__.get(SLOT, (None, ""))
+    module = ref() if ref is not None else None
+    holder = module
+    *path, local = name.split(".") if name else [""]
+    for part in path:
+        holder = getattr(holder, "_modules", {}).get(part)
+    if holder is None or (holder._parameters.get(local) is not placeholder
+                          and holder._buffers.get(local) is not placeholder):
+        raise write_error(f"metapatch: a write into an offloaded weight's meta placeholder "
+                          f"({tuple(placeholder.shape)}) whose module no longer serves it: the value would go nowhere. "
+                          f"Write into the parameter the model holds now (getattr(module, name)).")
+    hook = offload_hook(module)
+    if hook is None:
+        raise write_error(f"metapatch: a write into {describe(module, name)}, a meta placeholder no accelerate offload "
+                     f"hook serves any more: the value would go nowhere.")
+    tied = set(getattr(hook, "tied_params_names", None) or ())
+    if not tied_ok and (name in tied or name in module.__dict__.get(TIED_MARK, ())):
+        raise write_error(f"metapatch: a write into {describe(module, name)}, an offloaded weight tied to another "
+                     f"module's: accelerate serves each tied copy from its own hook, so keeping the write here "
+                     f"would leave the other with the old value. Write before dispatching the model, or keep the "
+                     f"tied modules in memory (device_map).")
+    return module, name, hook
+
+
+class Materialised:
+    """The stored values of the placeholders one write touches, in CPU memory, and where to keep them."""
+
+    def __init__(self) -> None:
+        self.values: Dict[int, Tuple[Any, Any, str, Any, bool]] = {}
+
+    def of(self, placeholder: Any, copy: bool) -> Any:
+        entry = self.values.get(id(placeholder))
+        if entry is None:
+            module, name, hook = owner(placeholder)
+            overlay = overlay_of(hook)
+            kept = overlay.kept.get(name)
+            if not copy and kept is not None and kept.device.type == "cpu" and kept.dtype == placeholder.dtype \
+                    and kept.shape == placeholder.shape:
+                value, own = kept, True  # written in place: a training loop writes one row per step
+            else:
+                value = overlay[name].detach().to(device="cpu", dtype=placeholder.dtype, copy=True)
+                own = False
+            entry = (placeholder, value, name, hook, own)
+            self.values[id(placeholder)] = entry
+        return entry[1]
+
+    def keep(self) -> None:
+        for placeholder, value, name, hook, _ in self.values.values():
+            if value.shape != placeholder.shape or value.dtype != placeholder.dtype:
+                raise write_error(f"metapatch: a write that changes the shape or dtype of an offloaded weight's "
+                             f"placeholder ({name}: {tuple(placeholder.shape)} {placeholder.dtype} -> "
+                             f"{tuple(value.shape)} {value.dtype}); the offload hook serves the placeholder's shape. "
+                             f"Replace the module (or keep it in memory with the device_map) instead.")
+        for placeholder, value, name, hook, _ in self.values.values():
+            overlay_of(hook).kept[name] = value
+
+
+def converted(placeholder: Any) -> None:
+    """A dtype conversion reached a marked placeholder (``module.half()``, ``.to(torch.bfloat16)`` of the model or of
+    any submodule: torch's ``Module._apply`` sets ``.data``): the store serves the stored value converted as the
+    in-memory tensor was, step by step (a chain keeps its lossy step), not cast straight to the last dtype."""
+    try:
+        module, name, hook = owner(placeholder, tied_ok=True)
+    except MetapatchError:
+        return  # a placeholder nothing serves any more: nothing to convert
+    convert(hook, name, placeholder.dtype)
+    # A tied weight is one object in memory (and one placeholder here, :func:`mark`): its partner's hook serves the
+    # same converted value.
+    ref, partner_name = module.__dict__.get(PARTNERS, {}).get(name, (None, ""))
+    partner = ref() if ref is not None else None
+    partner_hook = offload_hook(partner) if partner is not None else None
+    if partner_hook is not None and partner._parameters.get(partner_name) is placeholder:
+        convert(partner_hook, partner_name, placeholder.dtype)
+
+
+def assign(placeholder: Any, value: Any) -> None:
+    """``weight.data = value`` on a marked placeholder: in memory the parameter takes ``value``'s storage (it
+    aliases it); here ``value`` (a CPU tensor as it is, so later writes into it show as in memory; another device's
+    copied to CPU) is kept for the hook to serve. Another shape or dtype would change the parameter: refused."""
+    module, name, hook = owner(placeholder)
+    if value.shape != placeholder.shape or value.dtype != placeholder.dtype:
+        raise write_error(f"metapatch: {describe(module, name)}.data = a tensor of another shape or dtype "
+                     f"({tuple(value.shape)} {value.dtype}, the offloaded weight is {tuple(placeholder.shape)} "
+                     f"{placeholder.dtype}); the offload hook serves the placeholder's shape. Replace the module (or "
+                     f"keep it in memory with the device_map) instead.")
+    import torch
+
+    if value.is_inference():  # accelerate could not make a parameter of it at the next forward: a normal copy
+        with torch.inference_mode(False):
+            value = value.to("cpu", copy=True)
+    overlay_of(hook).kept[name] = value.detach() if value.device.type == "cpu" else value.detach().to("cpu")
+
+
+def replay_write(func: Any, args: tuple, kwargs: dict, data_cls: Any) -> Any:
+    """Replay one aten write whose written argument is a ``data_cls`` view of a marked placeholder
+    (:class:`~metapatch._offload.placeholder_classes` ``PlaceholderData``) on the stored values, and keep them."""
+    import torch
+    from torch.utils._pytree import tree_map
+
+    reshaping = func._schema.name.split("::")[-1] in RESHAPING
+    store = Materialised()
+
+    def real(value: Any) -> Any:
+        if isinstance(value, data_cls):
+            view = store.of(value._root, copy=reshaping)
+            for step, rest, kw in value._chain:
+                view = step(view, *rest, **kw)
+            return view
+        if isinstance(value, torch.Tensor):
+            if value.is_meta:
+                raise write_error("metapatch: a write into an offloaded weight's placeholder from a tensor on the meta "
+                             "device (itself a placeholder, or computed from one): its values are unknown here. "
+                             "Read the value inside a forward, or from the in-memory model.")
+            return value.to("cpu") if value.device.type != "cpu" and value.dim() > 0 else value
+        return value
+
+    # Outside inference mode: a value copied under it would be an inference tensor, which accelerate cannot make
+    # a parameter of at the next forward (the in-memory model's tensor stays a normal one too).
+    with torch.inference_mode(False), torch.no_grad():
+        real_args, real_kwargs = tree_map(real, args), tree_map(real, kwargs)
+        func(*real_args, **real_kwargs)
+    store.keep()
+
+
+def replay_call(function: Any, frame: Any, placeholder: Any) -> None:
+    """Call ``function`` with the arguments ``frame`` (its own call, stopped at its first line's meta check) was
+    given, ``placeholder`` replaced by its stored value in CPU memory, and keep the value."""
+    import torch
+
+    code = frame.f_code
+    names = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
+    store = Materialised()
+    # Outside inference mode, as in replay_write: a value copied under it could not be written by the next call outside.
+    with torch.inference_mode(False), torch.no_grad():
+        arguments = {}
+        for name in names:
+            value = frame.f_locals[name]
+            arguments[name] = store.of(value, copy=False) if value is placeholder else value
+        positional = [arguments.pop(name) for name in code.co_varnames[:code.co_argcount]]
+        function(*positional, **arguments)
+    store.keep()
+
+
+def part(func: Any, index: int, view: Any, *args: Any, **kwargs: Any) -> Any:
+    """The ``index``-th view ``func`` (``split``, ``unbind``, ``chunk``...) makes of ``view``: one step of a chain."""
+    return func(view, *args, **kwargs)[index]
+
+
+def writes_into(func: Any, args: tuple, kwargs: dict, data_cls: Any) -> bool:
+    """Whether the aten op ``func`` writes an argument that is a ``data_cls`` view (or a list holding one)."""
+    for index, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = args[index] if index < len(args) else kwargs.get(argument.name)
+        if isinstance(value, data_cls) or (isinstance(value, (list, tuple))
+                                           and any(isinstance(v, data_cls) for v in value)):
+            return True
+    return False
