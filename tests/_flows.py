@@ -194,6 +194,12 @@ WRITES = {
     "no-grad-unbind-last-part": _under("no_grad", lambda p: p.unbind(0)[-1].add_(0.125)),
     "detach-row-mul": lambda p: p.detach()[1].mul_(0.75),
     "data-assigned": lambda p: setattr(p, "data", __import__("torch").full(tuple(p.shape), 0.03)),
+    # torch's functions given the weight, not its methods: an in-place function, an optimizer-style _foreach_
+    # update, and an init that returns at once on a meta tensor since torch 2.13 (seeded: both sides draw alike)
+    "no-grad-function-relu": _under("no_grad", lambda p: __import__("torch").relu_(p)),
+    "no-grad-foreach-mul": _under("no_grad", lambda p: __import__("torch")._foreach_mul_([p], 0.5)),
+    "no-grad-init-trunc-normal": _under("no_grad", lambda p: (__import__("torch").manual_seed(5),
+                                                              __import__("torch").nn.init.trunc_normal_(p))),
 }
 
 

@@ -187,18 +187,18 @@ def _build_classes() -> Tuple[Any, Any, Any]:
             func(*entries([index], True), **kwargs)
         return None  # torch's in-place _foreach_ functions return None
 
-    def _is_meta_asked(tensor: Any, caller: Any) -> bool:
+    def _is_meta_asked(tensor: Any, caller: Any, meta: bool) -> bool:
         """``tensor.is_meta``. Since torch 2.13, ``torch.nn.init``'s ``trunc_normal_``, ``orthogonal_``,
         ``dirac_`` and ``sparse_`` return at once on a meta tensor, before any write: asked by one of them about a
         writable marked placeholder, the function runs here on the stored value (its own arguments, the
         placeholder's value in its place), the result is kept, and the answer (meta) lets the call on the
         placeholder return unchanged, as it did."""
-        if caller.f_globals.get("__name__") == "torch.nn.init" and caller.f_code.co_name.endswith("_") \
+        if meta and caller.f_globals.get("__name__") == "torch.nn.init" and caller.f_code.co_name.endswith("_") \
                 and _writable(tensor):  # an in-place init (torch's naming), not a reader such as a fan count
             function = caller.f_globals.get(caller.f_code.co_name)
             if getattr(function, "__code__", None) is caller.f_code:
                 replay_call(function, caller, tensor)
-        return True
+        return meta
 
     class _Marked:
         """What a marked placeholder (a parameter's or a buffer's) overrides: writes into it reach the offload
@@ -267,7 +267,7 @@ def _build_classes() -> Tuple[Any, Any, Any]:
             ``nn.Parameter``'s disabled override gives (a Python call per attribute read: about 1 us, measured)."""
             kwargs = kwargs or {}
             if getattr(func, "__self__", None) is is_meta_attribute:
-                return _is_meta_asked(args[0], sys._getframe(1))
+                return _is_meta_asked(args[0], sys._getframe(1), disabled(func, types, args, kwargs))
             if "out" in kwargs or _is_write_method(getattr(func, "__name__", "")):
                 routed = _route_write(func, args, kwargs)
                 if routed is not not_routed:

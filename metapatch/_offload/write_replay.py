@@ -179,7 +179,9 @@ def replay_call(function: Any, frame: Any, placeholder: Any) -> None:
         arguments = {}
         for name in names:
             value = frame.f_locals[name]
-            arguments[name] = store.of(value, copy=False) if value is placeholder else value
+            # a state_dict() entry stands for the placeholder it aliases
+            arguments[name] = store.of(placeholder.__dict__.get(ALIAS, placeholder), copy=False) \
+                if value is placeholder else value
         positional = [arguments.pop(name) for name in code.co_varnames[:code.co_argcount]]
         function(*positional, **arguments)
     store.keep()

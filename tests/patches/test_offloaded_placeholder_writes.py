@@ -108,6 +108,8 @@ WRITES = {
     # a state dict's entries alias the model's tensors (an EMA's update, a hand-written load)
     "state-dict-copy": lambda m: m.state_dict()["lm_head.weight"].copy_(torch.full((128, 64), 0.01)),
     "state-dict-row": lambda m: m.state_dict()["model.layers.1.mlp.up_proj.weight"][3].fill_(1.5),
+    "state-dict-init-trunc-normal": lambda m: (torch.manual_seed(0), torch.nn.init.trunc_normal_(
+        m.state_dict()["model.layers.3.mlp.gate_proj.weight"], std=0.5)),
     "state-dict-data": lambda m: m.state_dict()["model.layers.3.input_layernorm.weight"].data.mul_(3.0),
 }
 
