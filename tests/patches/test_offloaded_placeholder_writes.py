@@ -101,8 +101,10 @@ WRITES = {
     "foreach-add-scalar": lambda m: torch._foreach_add_(list(m.lm_head.parameters()), 0.125),
     # torch.nn.init functions that return at once on a meta tensor since torch 2.13, and one that writes via out=
     "init-trunc-normal": lambda m: (torch.manual_seed(0), torch.nn.init.trunc_normal_(m.lm_head.weight, std=0.5)),
-    "init-orthogonal": lambda m: (torch.manual_seed(0), torch.nn.init.orthogonal_(m.model.layers[3].mlp.up_proj.weight)),
-    "init-sparse": lambda m: (torch.manual_seed(0), torch.nn.init.sparse_(m.model.layers[1].mlp.down_proj.weight, 0.5)),
+    "init-orthogonal": lambda m: (torch.manual_seed(0),
+                                  torch.nn.init.orthogonal_(m.model.layers[3].mlp.up_proj.weight)),
+    "init-sparse": lambda m: (torch.manual_seed(0),
+                              torch.nn.init.sparse_(m.model.layers[1].mlp.down_proj.weight, 0.5)),
     "init-eye": lambda m: torch.nn.init.eye_(m.model.layers[3].self_attn.o_proj.weight),
     "init-kaiming": lambda m: (torch.manual_seed(0), torch.nn.init.kaiming_uniform_(m.lm_head.weight)),
     # a state dict's entries alias the model's tensors (an EMA's update, a hand-written load)
