@@ -230,7 +230,8 @@ def _build_classes() -> Tuple[Any, Any, Any]:
         def detach(self) -> Any:
             """``weight.detach()`` aliases the weight, as ``weight.data`` does: on a marked placeholder it is the same
             :class:`PlaceholderData`, so a write into it (``weight.detach().copy_(v)``) reaches the store, as in memory
-            it reaches the weight. ``state_dict()``'s entries stay torch's plain meta tensors."""
+            it reaches the weight. ``state_dict()`` takes an :class:`OffloadedEntry` (a meta tensor with storage, as
+            torch's entries are, for the readers of a state dict), which aliases the weight the same way."""
             if SLOT not in self.__dict__:
                 return tensor_detach(self)
             caller = sys._getframe(1).f_code
