@@ -266,10 +266,14 @@ def _build_classes() -> Tuple[Any, Any, Any]:
             ``torch.add(a, b, out=w)``, ``torch._foreach_mul_(params, s)``, ``torch.nn.init.eye_``) write it as its
             methods do: they run on its :class:`PlaceholderData`. Every other call is torch's, on plain tensors, as
             ``nn.Parameter``'s disabled override gives (a Python call per attribute read: about 1 us, measured)."""
+            name = getattr(func, "__name__", "")
+            if name == "__get__":  # an attribute read: accelerate makes eight per placeholder and load, first
+                value = disabled(func, types, args, kwargs or {})
+                if func.__self__ is is_meta_attribute:
+                    return _is_meta_asked(args[0], sys._getframe(1), value)
+                return value
             kwargs = kwargs or {}
-            if getattr(func, "__self__", None) is is_meta_attribute:
-                return _is_meta_asked(args[0], sys._getframe(1), disabled(func, types, args, kwargs))
-            if "out" in kwargs or _is_write_method(getattr(func, "__name__", "")):
+            if "out" in kwargs or _is_write_method(name):
                 routed = _route_write(func, args, kwargs)
                 if routed is not not_routed:
                     return routed
