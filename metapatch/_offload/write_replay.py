@@ -52,7 +52,8 @@ def owner(placeholder: Any, tied_ok: bool = False) -> Tuple[Any, str, Any]:
                           and holder._buffers.get(local) is not placeholder):
         raise write_error(f"metapatch: a write into an offloaded weight's meta placeholder "
                           f"({tuple(placeholder.shape)}) whose module no longer serves it: the value would go nowhere. "
-                          f"Write into the parameter the model holds now (getattr(module, name)).")
+                          f"Write into the tensor the model holds now (getattr(module, name), or a state_dict() taken "
+                          f"after the last forward: each forward puts new placeholders in place).")
     hook = offload_hook(module)
     if hook is None:
         raise write_error(f"metapatch: a write into {describe(module, name)}, a meta placeholder no accelerate offload "
