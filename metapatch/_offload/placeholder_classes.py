@@ -126,17 +126,21 @@ def _build_classes() -> Tuple[Any, Any, Any]:
 
     is_meta_attribute = torch._C.TensorBase.__dict__["is_meta"]  # torch hands __torch_function__ its __get__
 
+    def _root(value: Any) -> Any:
+        """The marked placeholder ``value`` stands for: itself, or what its ``state_dict()`` entry aliases."""
+        return value if SLOT in value.__dict__ else value.__dict__.get(ALIAS)
+
     def _writable(value: Any) -> bool:
         """A marked placeholder (or a ``state_dict()`` entry of one) torch lets a call write (no autograd recording
         it): the call writes its data."""
-        return isinstance(value, _Marked) and (SLOT in value.__dict__ or ALIAS in value.__dict__) \
-            and value.is_meta and not (value.requires_grad and torch.is_grad_enabled())
+        return isinstance(value, _Marked) and _root(value) is not None and value.is_meta \
+            and not (value.requires_grad and torch.is_grad_enabled())
 
     def _data_of(value: Any) -> Any:
-        """The :class:`PlaceholderData` a call on ``value`` writes through: the placeholder itself, or what its
-        ``state_dict()`` entry aliases (set_ on an entry re-points the entry only, as in memory)."""
-        root = value.__dict__.get(ALIAS)
-        return PlaceholderData(data_getter(value), root if root is not None else value, (), itself=root is None)
+        """The :class:`PlaceholderData` a call on ``value`` writes through (set_ on a ``state_dict()`` entry
+        re-points the entry only, as in memory)."""
+        root = _root(value)
+        return PlaceholderData(data_getter(value), root, (), itself=root is value)
 
     def _as_data(value: Any) -> Any:
         return _data_of(value) if _writable(value) else value
@@ -150,11 +154,13 @@ def _build_classes() -> Tuple[Any, Any, Any]:
             return _route_foreach(func, args, kwargs)
         if "out" in kwargs:
             out = kwargs["out"]
-            routed_out = type(out)(_as_data(v) for v in out) if isinstance(out, (list, tuple)) else _as_data(out)
-            if routed_out is out or (isinstance(out, (list, tuple)) and all(a is b for a, b in zip(routed_out, out))):
+            several = isinstance(out, (list, tuple))
+            outs = tuple(out) if several else (out,)
+            routed = [_as_data(v) for v in outs]
+            if all(r is o for r, o in zip(routed, outs)):
                 return not_routed
-            result = func(*args, **{**kwargs, "out": routed_out})
-            return out if isinstance(result, PlaceholderData) or isinstance(out, (list, tuple)) else result
+            result = func(*args, **{**kwargs, "out": type(out)(routed) if several else routed[0]})
+            return out if several or isinstance(result, PlaceholderData) else result
         if not args or not _writable(args[0]) or not _is_write_method(name):
             return not_routed
         data = _as_data(args[0])
@@ -284,7 +290,7 @@ def _build_classes() -> Tuple[Any, Any, Any]:
             data = data_getter(self)
             if not data.is_meta:
                 return data
-            root = self if SLOT in self.__dict__ else self.__dict__.get(ALIAS)
+            root = _root(self)
             return PlaceholderData(data, root, ()) if root is not None else data
 
         @data.setter
@@ -308,21 +314,21 @@ def _build_classes() -> Tuple[Any, Any, Any]:
         def _plain(self, tensor: Any) -> Any:
             return torch.nn.Parameter(tensor, self.requires_grad)
 
-    class OffloadedEntry(_Marked, torch.Tensor):
+    class _MarkedTensor(_Marked, torch.Tensor):
+        """A marked plain tensor (not a parameter): a copy or pickle of it is a plain tensor."""
+
+        def _plain(self, tensor: Any) -> Any:
+            return tensor
+
+    class OffloadedEntry(_MarkedTensor):
         """A ``state_dict()`` entry of a marked placeholder (a meta tensor): writes into it are writes into the
         placeholder, as a state dict's entries alias the model's tensors in memory."""
 
-        def _plain(self, tensor: Any) -> Any:
-            return tensor
-
     CLASSES["entry"] = OffloadedEntry
 
-    class OffloadedBuffer(_Marked, torch.Tensor):
+    class OffloadedBuffer(_MarkedTensor):
         """A buffer's meta placeholder an offload hook serves (``offload_buffers=True``): BatchNorm's running
         statistics, reset between forwards by ``reset_running_stats()``."""
-
-        def _plain(self, tensor: Any) -> Any:
-            return tensor
 
     def _redirected(name: str) -> Any:
         """``OffloadedPlaceholder.<name>``: on a marked placeholder where torch allows the write (no autograd
