@@ -27,6 +27,9 @@ CLASSES: Dict[str, Any] = {}  # torch's and the marked classes, by role, once bu
 # In-place methods that are no write of values (torch's names): left to torch.
 _NOT_WRITES = frozenset({"requires_grad_", "share_memory_", "detach_", "retain_grad", "record_stream",
                          "pin_memory", "_fix_weakref", "register_hook"})
+# Python's augmented assignments (``weight += d``): the dunder methods that write their tensor.
+_AUGMENTED_ASSIGNMENTS = frozenset(f"__i{op}__" for op in ("add", "sub", "mul", "matmul", "truediv", "floordiv", "div",
+                                                             "mod", "pow", "lshift", "rshift", "and", "xor", "or"))
 # Functions that return a view of the placeholder (``weight[3]``, ``weight[:, :8]``, ``weight.t()``, each part of
 # ``weight.split(8)``, ``unbind``, ``chunk``): under ``no_grad`` their result carries the write rule (an in-place
 # init of a row goes through one). ``detach`` is not among them: it is ``.data`` (an alias under any grad mode),
@@ -45,6 +48,50 @@ def placeholder_class() -> Any:
         CLASSES["parameter"], CLASSES["tensor"] = torch.nn.Parameter, torch.Tensor
         CLASSES["placeholder"], CLASSES["buffer"], CLASSES["data"] = _build_classes()
     return CLASSES["placeholder"]
+
+
+def quantized_placeholder_class(base: Any) -> Any:
+    """The class of a marked placeholder of bitsandbytes' 4-bit parameter class ``base`` (``Params4bit``).
+
+    In memory a write into a 4-bit weight writes its packed bytes (``weight.data.zero_()``, a row of them, a
+    ``copy_`` of packed bytes); offloaded, it went into the meta placeholder and was lost. Marked, it is replayed on
+    the stored packed bytes as any placeholder's write is, and the next forward loads them with the layer's quant
+    state, which is not written. The class keeps ``base``'s name (accelerate rebuilds a parameter by its class name:
+    ``Params4bit(value, **placeholder.__dict__)``; transformers counts 4-bit parameters by it), and building one
+    (accelerate loading a value for a forward) gives a plain ``base``."""
+    cls = CLASSES.get(base)
+    if cls is not None:
+        return cls
+    placeholder_class()
+    marked = CLASSES["marked"]
+    ours = (SLOT, ALIAS)
+    # bitsandbytes' own __torch_function__ (torch.chunk/torch.split of a 4-bit parameter stay 4-bit parameters), where
+    # the release has one; else the disabled one nn.Parameter has
+    own_torch_function = getattr(base.__torch_function__, "__func__", None)
+
+    class OffloadedPlaceholder4bit(marked, base):
+        _metapatch_plain = False  # a quantized class: the offload store does not copy it as a plain tensor
+
+        def __new__(cls, data: Any = None, requires_grad: bool = False, **fields: Any) -> Any:
+            return base(data, requires_grad, **{k: v for k, v in fields.items() if k not in ours})
+
+        def _plain(self, tensor: Any, memo: Optional[dict] = None) -> Any:
+            fields = {k: v for k, v in self.__dict__.items() if k not in ours}
+            if memo is not None:  # a deep copy of the model: its own quant state, its module's copy
+                import copy
+
+                fields = copy.deepcopy(fields, memo)
+            return base(tensor, self.requires_grad, **fields)
+
+        @classmethod
+        def _unrouted(cls, func: Any, types: Any, args: tuple, kwargs: dict) -> Any:
+            if own_torch_function is not None:
+                return own_torch_function(cls, func, types, args, kwargs)
+            return marked._unrouted.__func__(cls, func, types, args, kwargs)
+
+    OffloadedPlaceholder4bit.__name__ = OffloadedPlaceholder4bit.__qualname__ = base.__name__
+    CLASSES[base] = OffloadedPlaceholder4bit
+    return OffloadedPlaceholder4bit
 
 
 def _build_classes() -> Tuple[Any, Any, Any]:
@@ -211,12 +258,19 @@ def _build_classes() -> Tuple[Any, Any, Any]:
         store."""
 
         _metapatch_placeholder = True
+        _metapatch_plain = True  # the offload store copies it as a plain tensor (not a quantized class)
 
-        def _plain(self, tensor: Any) -> Any:  # a plain tensor of this placeholder's kind holding ``tensor``
+        def _plain(self, tensor: Any, memo: Optional[dict] = None) -> Any:
+            """A tensor of this placeholder's unmarked class holding ``tensor`` (``memo``: for a deep copy)."""
             raise NotImplementedError
 
+        @classmethod
+        def _unrouted(cls, func: Any, types: Any, args: tuple, kwargs: dict) -> Any:
+            """A call no write rule takes: the unmarked class's own ``__torch_function__``."""
+            return disabled(func, types, args, kwargs)
+
         def __deepcopy__(self, memo: Any) -> Any:
-            copied = self._plain(torch.empty_like(tensor_detach(self)))
+            copied = self._plain(torch.empty_like(tensor_detach(self)), memo)
             memo[id(self)] = copied
             # A deep copy of the model (a reference model for DPO/PPO): the copy of the module this placeholder
             # stands for is in memo already (copy makes the module before its tensors), and its copied hook serves
@@ -283,7 +337,7 @@ def _build_classes() -> Tuple[Any, Any, Any]:
                 routed = _route_write(func, args, kwargs)
                 if routed is not not_routed:
                     return routed
-            return disabled(func, types, args, kwargs)
+            return cls._unrouted(func, types, args, kwargs)
 
         @property
         def data(self) -> Any:
@@ -311,20 +365,20 @@ def _build_classes() -> Tuple[Any, Any, Any]:
                 return torch.nn.Parameter(data, requires_grad)
             return super().__new__(cls, data, requires_grad)
 
-        def _plain(self, tensor: Any) -> Any:
+        def _plain(self, tensor: Any, memo: Optional[dict] = None) -> Any:
             return torch.nn.Parameter(tensor, self.requires_grad)
 
     class _MarkedTensor(_Marked, torch.Tensor):
         """A marked plain tensor (not a parameter): a copy or pickle of it is a plain tensor."""
 
-        def _plain(self, tensor: Any) -> Any:
+        def _plain(self, tensor: Any, memo: Optional[dict] = None) -> Any:
             return tensor
 
     class OffloadedEntry(_MarkedTensor):
         """A ``state_dict()`` entry of a marked placeholder (a meta tensor): writes into it are writes into the
         placeholder, as a state dict's entries alias the model's tensors in memory."""
 
-    CLASSES["entry"] = OffloadedEntry
+    CLASSES["entry"], CLASSES["marked"] = OffloadedEntry, _Marked
 
     class OffloadedBuffer(_MarkedTensor):
         """A buffer's meta placeholder an offload hook serves (``offload_buffers=True``): BatchNorm's running
@@ -360,6 +414,6 @@ def _is_write_method(name: str) -> bool:
     """Whether ``torch.Tensor.<name>`` writes its tensor's values (``__setitem__``, ``__iadd__``..., ``mul_``...)."""
     if name == "__setitem__":
         return True
-    if name.startswith("__i") and name.endswith("__"):  # __iadd__, __imul__, ...
-        return name not in ("__init__", "__index__", "__invert__", "__iter__")
+    if name.startswith("__") and name.endswith("__"):  # __iadd__, __imul__, ... (not __int__, __init_subclass__)
+        return name in _AUGMENTED_ASSIGNMENTS
     return name.endswith("_") and not name.endswith("__") and name not in _NOT_WRITES

@@ -35,11 +35,12 @@ Nothing here imports torch or accelerate at import time.
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Any, Dict, List
 
 from metapatch._offload.hook_state import weights_map_of
-from metapatch._offload.placeholder_classes import CLASSES, placeholder_class
+from metapatch._offload.placeholder_classes import CLASSES, placeholder_class, quantized_placeholder_class
 from metapatch._offload.store import TIED_MARK
 from metapatch._offload.write_replay import PARTNERS, SLOT
 
@@ -98,15 +99,16 @@ def mark(module: Any, hook: Any) -> None:
     if weights_map_of(hook) is None:
         return
     cls = CLASSES.get("placeholder") or placeholder_class()
-    parameter = CLASSES["parameter"]
+    parameter, quantized = CLASSES["parameter"], _params4bit()
     if hook.place_submodules:
         items = [(name, p) for name, p in module.named_parameters()]
     else:
         items = list(module._parameters.items())
     for name, param in items:
-        if param is not None and type(param) is parameter and param.is_meta:
-            param.__class__ = cls
-            param.__dict__[SLOT] = (weakref.ref(module), name)
+        if param is None or type(param) not in (parameter, quantized) or not param.is_meta:
+            continue
+        param.__class__ = cls if type(param) is parameter else quantized_placeholder_class(quantized)
+        param.__dict__[SLOT] = (weakref.ref(module), name)
     if hook.offload_buffers:  # BatchNorm's statistics: reset_running_stats() between forwards writes into them
         buffer_cls, plain = CLASSES["buffer"], CLASSES["tensor"]
         buffers = module.named_buffers() if hook.place_submodules else module._buffers.items()
@@ -117,6 +119,11 @@ def mark(module: Any, hook: Any) -> None:
     partners = module.__dict__.get(PARTNERS)
     if partners:
         _share_tied_placeholders(module, partners, cls)
+
+
+def _params4bit() -> Any:
+    """bitsandbytes' 4-bit parameter class where bitsandbytes is imported (its placeholders are marked too)."""
+    return getattr(sys.modules.get("bitsandbytes.nn.modules"), "Params4bit", None)
 
 
 def _share_tied_placeholders(module: Any, partners: Dict[str, Any], cls: Any) -> None:

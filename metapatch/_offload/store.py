@@ -174,7 +174,7 @@ def plain_tensor(tensor: Any) -> bool:
     one): the store keeps a CPU copy of such a tensor; other classes (quantized) are their library's."""
     import torch
 
-    return type(tensor) in (torch.nn.Parameter, torch.Tensor) or getattr(type(tensor), "_metapatch_placeholder", False)
+    return type(tensor) in (torch.nn.Parameter, torch.Tensor) or getattr(type(tensor), "_metapatch_plain", False)
 
 
 def _changed(before: Tuple[Any, int, Optional[int], Any, Any, Optional[Any]], now: Any) -> bool:

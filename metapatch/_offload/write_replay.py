@@ -14,6 +14,7 @@ Nothing here imports torch or accelerate at import time.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Dict, Tuple
 
 from metapatch._framework.records import MetapatchError
@@ -24,6 +25,11 @@ from metapatch._offload.store import TIED_MARK, convert, overlay_of
 SLOT = "_metapatch_placeholder_of"  # in a marked placeholder's __dict__: (weakref to module, local dotted name)
 ALIAS = "_metapatch_entry_of"  # in a state_dict() entry's __dict__: the marked placeholder it aliases
 PARTNERS = "_metapatch_tie_partners"  # in a module's __dict__: {name: (weakref to the tied module, its name)}
+# id(QuantState of a 4-bit weight) -> how many writes were kept for its offloaded weight; an entry goes with its
+# state. A repacked copy made from the bytes before a write is stale after it, and nothing else tells: the bytes may
+# be written in place or a new copy land at a freed copy's address, the loaded parameter's own _version does not
+# follow its storage, and bnb-quant-state-offload rebuilds the state's __dict__ at every reload.
+_KEPT_WRITES: Dict[int, int] = {}
 
 # aten in-place ops that change a tensor's shape, strides or storage: replayed on a copy, so a refused
 # change leaves the kept value as it was.
@@ -98,6 +104,7 @@ class Materialised:
                              f"Replace the module (or keep it in memory with the device_map) instead.")
         for placeholder, value, name, hook, _ in self.values.values():
             overlay_of(hook).kept[name] = value
+            _count_write(placeholder)
 
 
 def converted(placeholder: Any) -> None:
@@ -134,6 +141,23 @@ def assign(placeholder: Any, value: Any) -> None:
         with torch.inference_mode(False):
             value = value.to("cpu", copy=True)
     overlay_of(hook).kept[name] = value.detach() if value.device.type == "cpu" else value.detach().to("cpu")
+    _count_write(placeholder)
+
+
+def _count_write(placeholder: Any) -> None:
+    """A write kept for a quantized placeholder (bitsandbytes' ``Params4bit``): counted on its quant state, which the
+    weight loaded at the next forward carries (:func:`kept_writes`)."""
+    state = placeholder.__dict__.get("quant_state")
+    if state is None:
+        return
+    if id(state) not in _KEPT_WRITES:
+        weakref.finalize(state, _KEPT_WRITES.pop, id(state), None)
+    _KEPT_WRITES[id(state)] = _KEPT_WRITES.get(id(state), 0) + 1
+
+
+def kept_writes(state: Any) -> int:
+    """How many writes were kept for the offloaded 4-bit weight whose quant state is ``state``."""
+    return _KEPT_WRITES.get(id(state), 0)
 
 
 def replay_write(func: Any, args: tuple, kwargs: dict, data_cls: Any) -> Any:

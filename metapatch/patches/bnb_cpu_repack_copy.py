@@ -17,7 +17,10 @@ Here the layer keeps its portable form. Where upstream would repack, the forward
 repacked copy (built once per weight tensor, kept while that tensor lives, so an in-memory layer
 holds its 4-bit weight twice on such CPUs; an offloaded layer's copy goes with the reloaded
 weight). Outputs are the ones the repacked kernel gives; training forwards and serialization see
-the portable weight, untouched. Shapes the repack cannot take run the portable kernel.
+the portable weight, untouched. Shapes the repack cannot take run the portable kernel. The copy is
+rebuilt after a write into the weight: its ``.data`` moves the parameter's ``_version`` from the
+first repacked forward on (a subclass of the same name; torch's ``.data`` has a counter of its own),
+and a write kept for an offloaded weight's placeholder is counted on its quant state.
 
 An accelerate-offloaded layer gets a new parameter at every forward, so it would be repacked at
 every forward (a third of a dispatched 4-bit forward on such a CPU). For cpu offload its copy is
@@ -41,6 +44,7 @@ from typing import Any, Dict, Tuple
 
 from metapatch._offload import bnb_fast_repack
 from metapatch._offload.hook_state import DISK, locate, offload_hooks, weights_map_of
+from metapatch._offload.write_replay import kept_writes
 from metapatch._framework.records import MetapatchError, Patch, Target, Upstream
 
 # The repack kernel's column block (bitsandbytes' default block_n) and the nf4/fp4 types it has.
@@ -51,6 +55,7 @@ HOST_ATTR = "_metapatch_host_state"  # bnb-quant-state-offload's host copy: not 
 OFFLOAD_CACHE = "_metapatch_offloaded_cpu_pack"
 # id(Params4bit) -> (key, packed weight, packed QuantState, the portable state it came from); an entry goes when its parameter does.
 _PACKED: Dict[int, Tuple[Tuple[Any, ...], Any, Any, Any]] = {}
+_WATCHED: Dict[Any, Any] = {}  # bitsandbytes' Params4bit -> its subclass whose .data moves the parameter's _version
 
 
 def _input(args: tuple, kwargs: dict) -> Any:
@@ -79,7 +84,46 @@ def repackable(state: Any, weight: Any) -> bool:
 
 def _key(weight: Any, state: Any) -> Tuple[Any, ...]:
     absmax = state.absmax
-    return (weight.data_ptr(), weight._version, weight.dtype, id(state), absmax.data_ptr(), absmax._version)
+    # kept_writes: a write into an offloaded weight's placeholder, kept for the next forward (offloaded-placeholder-writes)
+    return (weight.data_ptr(), weight._version, weight.dtype, id(state), absmax.data_ptr(), absmax._version,
+            kept_writes(state))
+
+
+def _watched_class(base: Any) -> Any:
+    """bitsandbytes' ``Params4bit`` (``base``) whose ``.data`` shares the parameter's version counter, as
+    ``detach()`` does. A repacked copy is valid while the weight's ``_version`` stays; torch's ``.data`` has a
+    version counter of its own, so ``weight.data.zero_()`` after an evaluation would leave the copy stale, and the
+    forward would compute with the bytes from before the write (upstream, repacking in place, sees it). Not seen: a
+    write through a ``.data`` taken before the weight's first repacked forward and held past it. A weight gets this class when its repacked copy is first made; a
+    parameter built from it (accelerate's reload, ``copy.deepcopy``) is a plain ``base``, and the class keeps
+    ``base``'s name, which accelerate and transformers dispatch on."""
+    cls = _WATCHED.get(base)
+    if cls is None:
+        import torch
+
+        detach, set_data = torch.Tensor.detach, torch._C.TensorBase.data.__set__
+
+        class WatchedParams4bit(base):
+            def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+                return base(*args, **kwargs)
+
+            @property
+            def data(self) -> Any:
+                return detach(self)
+
+            @data.setter
+            def data(self, value: Any) -> None:
+                set_data(self, value)
+
+        WatchedParams4bit.__name__ = WatchedParams4bit.__qualname__ = base.__name__
+        cls = _WATCHED[base] = WatchedParams4bit
+    return cls
+
+
+def _raw_data(weight: Any) -> Any:
+    import torch
+
+    return torch._C.TensorBase.data.__get__(weight)
 
 
 def _packed_copy(weight: Any, state: Any) -> Tuple[Any, Any]:
@@ -92,10 +136,12 @@ def _packed_copy(weight: Any, state: Any) -> Tuple[Any, Any]:
     fresh = entry is None
     work = copy.copy(state)  # the repack rebinds the state's fields; the portable ones stay as they are
     work.__dict__.pop(HOST_ATTR, None)
-    packed, packed_state = _convert_weight_packed_for_cpu(weight.data, work)
+    packed, packed_state = _convert_weight_packed_for_cpu(_raw_data(weight), work)
     _PACKED[id(weight)] = (key, packed, packed_state, state)
     if fresh:
         weakref.finalize(weight, _PACKED.pop, id(weight), None)
+        if type(weight).__name__ == "Params4bit" and type(weight) not in _WATCHED.values():
+            weight.__class__ = _watched_class(type(weight))  # writes through .data now move its _version
     return packed, packed_state
 
 
@@ -119,7 +165,7 @@ def _offloaded_packed_copy(module: Any, hook: Any, weight: Any, state: Any) -> A
     host = state.__dict__.get(HOST_ATTR)
     if entry is None or host is None:
         return None
-    identity = (id(hook), key, id(entry), id(host), weight.dtype, tuple(weight.shape))
+    identity = (id(hook), key, id(entry), kept_writes(state), id(host), weight.dtype, tuple(weight.shape))
     cached = module.__dict__.get(OFFLOAD_CACHE)
     if cached is not None and cached[0] == identity and cached[3] is entry and cached[4] is host:
         if cached[1] is not None:
@@ -165,7 +211,7 @@ def linear4bit_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -
             return wrapped(*args, **kwargs)
         finally:
             instance.support_avx512bf16_for_cpu = True
-    portable = weight.data
+    portable = _raw_data(weight)
     hooks = offload_hooks(instance)
     packed_pair = _offloaded_packed_copy(instance, hooks[0], weight, state) if hooks else None
     packed, packed_state = packed_pair if packed_pair is not None else _packed_copy(weight, state)

@@ -47,8 +47,13 @@ entry of a placeholder aliases it, as in memory (``model.state_dict()[k].copy_(v
 override directly: each of the eight attribute reads accelerate makes of a placeholder as it loads it is a Python
 call (about 25 us per offloaded parameter and forward, measured inside forwards of a tiny model).
 
-Not seen: into 4-bit ``Params4bit`` placeholders (their own class), into placeholders of hooks attached before
-metapatch was imported until their next forward, and a forward's write through ``.data`` of what it loaded.
+A bitsandbytes 4-bit weight's placeholder (``Params4bit``) is marked too (a subclass of the same name: accelerate
+rebuilds quantized parameters by class name): a write into its packed bytes (``weight.data.zero_()``, a row of bytes,
+``copy_`` of packed bytes) is replayed on the stored bytes, and the next forward serves them with the layer's quant
+state, which no write here changes (``bnb-cpu-repack-copy`` rebuilds its repacked copy after a kept write).
+
+Not seen: into placeholders of hooks attached before metapatch was imported until their next forward, and a
+forward's write through ``.data`` of what it loaded.
 A parametrization registered on an offloaded module
 (``weight_norm``, ``spectral_norm``, ``orthogonal``) takes the placeholder as its original: upstream the module
 then computes with meta values, silently wrong (``weight_norm``, ``spectral_norm``: logits off by 1e11 and more on
