@@ -40,7 +40,7 @@ import weakref
 from typing import Any, Dict, List
 
 from metapatch._offload.hook_state import weights_map_of
-from metapatch._offload.placeholder_classes import CLASSES, placeholder_class, quantized_placeholder_class
+from metapatch._offload.placeholder_classes import CLASSES, LOUD, QUIET, placeholder_class, quantized_placeholder_class
 from metapatch._offload.store import TIED_MARK
 from metapatch._offload.write_replay import PARTNERS, SLOT
 
@@ -119,6 +119,34 @@ def mark(module: Any, hook: Any) -> None:
     partners = module.__dict__.get(PARTNERS)
     if partners:
         _share_tied_placeholders(module, partners, cls)
+
+
+def quieted(module: Any, hook: Any) -> List[Any]:
+    """Before ``hook`` loads ``module``'s values (its ``pre_forward``): each marked placeholder takes its quiet sibling
+    class (:func:`metapatch._offload.placeholder_classes.quiet_sibling`), whose attribute reads cost what a plain
+    parameter's do. Returns them for :func:`restored`, which gives each its marked class back when the load returns."""
+    switched = []
+    tensors = module.named_parameters() if hook.place_submodules else module._parameters.items()
+    for _, tensor in tensors:
+        quiet = QUIET.get(type(tensor))
+        if quiet is not None:
+            tensor.__class__ = quiet
+            switched.append(tensor)
+    if hook.offload_buffers:
+        buffers = module.named_buffers() if hook.place_submodules else module._buffers.items()
+        for _, tensor in buffers:
+            quiet = QUIET.get(type(tensor))
+            if quiet is not None:
+                tensor.__class__ = quiet
+                switched.append(tensor)
+    return switched
+
+
+def restored(switched: List[Any]) -> None:
+    """The placeholders :func:`quieted` switched get their marked class back (the module holds loaded values now; a
+    reference the program kept to a placeholder refuses or keeps a write again, as before the load)."""
+    for tensor in switched:
+        tensor.__class__ = LOUD[type(tensor)]
 
 
 def _params4bit() -> Any:

@@ -44,8 +44,9 @@ and so do the ``torch.nn.init`` functions that since torch 2.13 return at once o
 generator where the in-memory weight would be on a GPU: the same distribution, other numbers). A ``state_dict()``
 entry of a placeholder aliases it, as in memory (``model.state_dict()[k].copy_(v)``); one taken before a forward
 (which puts new placeholders in place) raises. The marked class's ``__torch_function__`` calls torch's disabled
-override directly: each of the eight attribute reads accelerate makes of a placeholder as it loads it is a Python
-call (about 25 us per offloaded parameter and forward, measured inside forwards of a tiny model).
+override directly; while the hook loads the values (``pre_forward``) each placeholder is of a quiet sibling class
+without it, so accelerate's eight reads of each are C calls (they cost about 25 us per offloaded parameter and
+forward through Python), and it is marked again when the load returns (a reference held to it still refuses).
 
 A bitsandbytes 4-bit weight's placeholder (``Params4bit``) is marked too (a subclass of the same name: accelerate
 rebuilds quantized parameters by class name): a write into its packed bytes (``weight.data.zero_()``, a row of bytes,
@@ -68,7 +69,7 @@ from typing import Any
 
 from metapatch._framework.records import Patch, Target, Upstream
 from metapatch._offload.forward_writes import keep_forward_writes, note_versions
-from metapatch._offload.placeholder_writes import mark, note_ties
+from metapatch._offload.placeholder_writes import mark, note_ties, quieted, restored
 from metapatch._offload.replaced_weights import adopt_replacements, note_loaded
 from metapatch.patches._shared_targets import shared_fingerprints
 
@@ -92,8 +93,13 @@ def _around_pre_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) 
     if not instance.offload:
         return wrapped(*args, **kwargs)
     module = _module_of(args, kwargs)
-    adopt_replacements(module, instance)  # a tensor the program put in place of a placeholder: served from now on
-    result = wrapped(*args, **kwargs)
+    # the reads of the placeholders from here to the end of the load (accelerate's, eight each): no Python call each
+    switched = quieted(module, instance)
+    try:
+        adopt_replacements(module, instance)  # a tensor the program put in place of a placeholder: served from now on
+        result = wrapped(*args, **kwargs)
+    finally:
+        restored(switched)
     note_loaded(module, instance)
     note_versions(module, instance)  # a write the forward makes into what was loaded is kept at its post_forward
     return result
