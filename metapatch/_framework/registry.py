@@ -6,7 +6,8 @@ versions (:mod:`metapatch._framework.gate`, lazily); refuses code whose source n
 fingerprints (``stale``) or that another library replaced (``conflict``) (:mod:`metapatch._framework.planning`);
 never lets a patch's exception escape into the user's import (``failed``) unless
 ``METAPATCH_STRICT=1`` asks for it; and marks every object it installs, so that a second registry
-adopts what is there instead of wrapping twice and ``unpatch`` finds every site (:mod:`metapatch._framework.sites`).
+adopts what is there instead of wrapping twice and ``unpatch`` finds every site (:mod:`metapatch._framework.sites`;
+aliases and re-exports of what it swapped: :mod:`metapatch._framework.reexports`).
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from .gate import Gate, Gating, disabled_ids, strict_mode  # noqa: F401 - re-exported
 from .patch_loading import LazyPatches, lazy_patches, load_patches  # noqa: F401 - re-exported
-from .records import MetapatchError, Patch, State, Target
-from .sites import PatchStatus, Planned, Retry, Site, namespace
+from .records import MetapatchError, Patch, State
+from .reexports import Reexports
+from .sites import PatchStatus, Planned, Retry, Site
 from .targets import MARKER, fingerprint, initializing, raw_attribute, replaced_by, resolve  # noqa: F401 - re-exported
 
 # ast, inspect, hashlib, logging and importlib.metadata are imported where used: `import metapatch`
@@ -48,10 +50,8 @@ class Registry:
         # watched module -> the ids of the patches with a target there, as their hooks were registered
         self._ids_by_module: Dict[str, Dict[str, None]] = {}
         self._gating = Gating(support_window)
-        # target.dotted -> {(module name, attribute)}: re-export sites that held the replacement
-        # when it was restored, so that install() after unpatch() covers them again.
-        self._reexports: Dict[str, Dict[Tuple[str, str], None]] = {}
-        self._unpatched: set = set()
+        # aliases and re-export sites of what was swapped, so that install() after unpatch() covers them again
+        self._reexports = Reexports()
 
     # -- gating --------------------------------------------------------------------------------
 
@@ -278,7 +278,7 @@ class Registry:
                 setattr(step.parent, step.attr, step.installed)
             status.sites[step.target.dotted] = Site(step.parent, step.attr, step.original, step.installed)
             if not isinstance(step.parent, type):
-                self._cover_aliases(step.target, step.original, step.installed, status, late, messages)
+                self._reexports.cover(step.target, step.original, step.installed, status, late, messages)
         waiting = [m for m in patch.modules
                    if not all(status.sites.get(t.dotted) is not None for t in patch.targets if t.module == m)]
         if waiting:
@@ -336,32 +336,6 @@ class Registry:
                 if module is not None:
                     self._apply_here(self.patches[patch_id], module, late=False)
 
-    def _cover_aliases(self, target: Target, original: Any, installed: Any, status: PatchStatus, late: bool,
-                       messages: List[Tuple[Any, str]]) -> None:
-        for alias in target.aliases:
-            module_name, _, attr = alias.partition(":")
-            module = sys.modules.get(module_name)
-            if module is not None and getattr(module, attr, None) is original:
-                setattr(module, attr, installed)
-        # Every site that held the replacement when it was last restored (unpatch) holds it again.
-        for module_name, attr in self._reexports.get(target.dotted, {}):
-            module = sys.modules.get(module_name)
-            if module is not None and namespace(module).get(attr) is original:
-                setattr(module, attr, installed)
-        if not late:
-            return  # patched as its module finished executing: nobody can have captured it yet
-        # Any other module that captured the original by name before we got here keeps calling
-        # the unpatched function: we do not rewrite other people's namespaces, we say so.
-        holders = sorted(name for name, mod in list(sys.modules.items())
-                         if mod is not None and any(v is original for v in namespace(mod).values()))
-        if holders:
-            when = ("before metapatch was imported, or while it was unpatched"
-                    if target.dotted in self._unpatched else "before metapatch was imported")
-            note = (f"{target.dotted} was imported by name into {', '.join(holders)} {when}; "
-                    "calls through those names bypass the patch (import metapatch first)")
-            status.notes.append(note)
-            messages.append((("bypass", target.dotted, tuple(holders)), "metapatch: " + note))
-
     # -- problems ------------------------------------------------------------------------------
 
     def _set_problem(self, patch: Patch, status: PatchStatus, state: State, reason: str,
@@ -388,15 +362,8 @@ class Registry:
                 setattr(site.parent, site.attr, site.original)
             replaced[id(site.installed)] = (site.installed, site.original, dotted)
         # Re-export sites: declared aliases and any module that imported the replacement by name
-        # after it was installed (``from accelerate import dispatch_model`` in peft, say). They are
-        # remembered, so that install() puts the replacement back at each of them.
-        if replaced:
-            for name, mod in list(sys.modules.items()):
-                for attr, value in list(namespace(mod).items()):
-                    hit = replaced.get(id(value))
-                    if hit is not None and hit[0] is value:
-                        setattr(mod, attr, hit[1])
-                        self._reexports.setdefault(hit[2], {})[(name, attr)] = None
+        # after it was installed (``from accelerate import dispatch_model`` in peft, say).
+        self._reexports.restore(replaced)
         status.sites.clear()
 
     def unpatch(self, ids: Optional[Iterable[str]] = None) -> None:
@@ -408,7 +375,7 @@ class Registry:
                 if status is None:
                     status = self._status[patch.id] = PatchStatus(State.DISABLED, "")
                 lifted = self._take_off(status)
-                self._unpatched.update(t.dotted for t in patch.targets)
+                self._reexports.unpatched(patch.targets)
                 status.state, status.reason = State.DISABLED, "unpatched by metapatch.unpatch(); metapatch.install() re-applies"
             self._put_back(lifted)
 
