@@ -685,3 +685,37 @@ def test_patch_selftest_is_the_module_of_its_own_scenarios():
         else:
             assert patch.declared_selftest is not None, f"{patch.id} has no scenario: name the module that exercises it"
             assert any(s.function.startswith(layout.scenarios(patch) + ":") for s in scenarios), patch.id
+
+
+WRAPPED_METHOD = {"p_method": '''
+from metapatch import Patch, Target
+from fakepatches import FP
+
+def _times_hundred(wrapped, instance, args, kwargs):
+    return wrapped(*args, **kwargs) * 100
+
+PATCH = Patch(
+    id="fake-method", title="Thing.method needs scaling", affects={"fakelib": ">=1.0"},
+    targets=(Target("fakelib.core", "Thing.method", FP["fakelib.core:Thing.method"], wrapper=_times_hundred),),
+)
+'''}
+
+
+def test_a_wrapped_method_held_bound_by_an_object_copies_as_a_bound_method_does(world):
+    """accelerate keeps a hooked module's own ``forward`` as ``module._old_forward``: a deep copy of the model copies
+    it. wrapt's proxies refuse copying; metapatch's wrapper binds to the copy, as a bound method does."""
+    out = world(patches=WRAPPED_METHOD)('''
+        import copy
+        reg = Registry(load_patches("fakepatches")); reg.install()
+        import fakelib.core
+        thing = fakelib.core.Thing()
+        thing.old_method = thing.method
+        twin, shallow = copy.deepcopy(thing), copy.copy(thing)
+        wrapper = fakelib.core.Thing.__dict__["method"]
+        print(json.dumps({"state": states(reg)["fake-method"], "original": thing.old_method(1),
+                          "copy": twin.old_method(1), "bound_to_copy": twin.old_method.__self__ is twin,
+                          "shallow": shallow.old_method(1), "shallow_bound_to": shallow.old_method.__self__ is thing,
+                          "function_copies_as_itself": copy.deepcopy(wrapper) is wrapper}))
+    ''')
+    assert out == {"state": "applied", "original": 200, "copy": 200, "bound_to_copy": True, "shallow": 200,
+                   "shallow_bound_to": True, "function_copies_as_itself": True}

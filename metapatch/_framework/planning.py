@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any, Iterable, List, Optional, Tuple
 
 from . import firing
+from .copyable_wrapper import function_wrapper
 from .gate import Gate
 from .records import Patch, State
 from .sites import PatchStatus, Planned, conflict_reason
@@ -54,11 +55,9 @@ def plan(patch: Patch, module: Any, status: PatchStatus, gate: Gate) -> Tuple[Li
         try:
             counting = firing.enabled()  # METAPATCH_DEBUG=1: each call counted for the report at exit
             if target.wrapper is not None:
-                import wrapt
-
                 wrapper = (firing.counting_wrapper(patch.id, target.dotted, target.wrapper) if counting
                            else target.wrapper)
-                installed = wrapt.FunctionWrapper(current, wrapper)
+                installed = function_wrapper(current, wrapper)
             else:
                 installed = target.replacement(current)
                 if counting:

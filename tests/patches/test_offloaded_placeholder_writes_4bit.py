@@ -168,3 +168,21 @@ def test_a_4bit_placeholder_keeps_bitsandbytes_class_name_and_loads_as_plain_par
         setattr(module, inner, original)
     assert loaded == [bnb.nn.Params4bit], loaded
     assert model.num_parameters() == reference.num_parameters()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_deep_copy_of_a_4bit_offloaded_model_computes_as_the_original_and_keeps_its_own_writes(checkpoint, tmp_path,
+                                                                                                 device):
+    """A reference model for DPO/PPO is a deep copy. Upstream it fails (torch's ``set_data`` given a meta 4-bit
+    placeholder's copy; with metapatch before this, wrapt's refusal to copy the wrapped ``Linear4bit.forward``
+    accelerate keeps as ``_old_forward``). The copy computes as the original, and a write into it is its own."""
+    import copy
+
+    reference, model, folder = _models(checkpoint, tmp_path, device, "disk-map")
+    before = _logits(model)
+    twin = copy.deepcopy(model)
+    assert torch.equal(_logits(twin), before)
+    _write(twin, "data-zero")
+    _write(reference, "data-zero")
+    assert torch.equal(_logits(twin), _logits(reference))
+    assert torch.equal(_logits(model), before)
