@@ -15,7 +15,7 @@ from ._framework import firing as _firing
 from ._framework.records import MetapatchError, MetapatchWarning, Patch, State, Target, Upstream
 from ._framework.registry import Registry, shared_registry
 
-__version__ = "0.5.3"
+__version__ = "0.5.4"
 __all__ = [
     "MetapatchError", "MetapatchWarning", "Patch", "State", "Target", "Upstream",
     "diagnose", "install", "registry", "status", "unpatch",
