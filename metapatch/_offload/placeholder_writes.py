@@ -35,6 +35,7 @@ Nothing here imports torch or accelerate at import time.
 
 from __future__ import annotations
 
+import itertools
 import sys
 import weakref
 from typing import Any, Dict, List
@@ -126,19 +127,14 @@ def quieted(module: Any, hook: Any) -> List[Any]:
     class (:func:`metapatch._offload.placeholder_classes.quiet_sibling`), whose attribute reads cost what a plain
     parameter's do. Returns them for :func:`restored`, which gives each its marked class back when the load returns."""
     switched = []
-    tensors = module.named_parameters() if hook.place_submodules else module._parameters.items()
-    for _, tensor in tensors:
+    named = [module.named_parameters() if hook.place_submodules else module._parameters.items()]
+    if hook.offload_buffers:  # their placeholders are marked too (mark)
+        named.append(module.named_buffers() if hook.place_submodules else module._buffers.items())
+    for _, tensor in itertools.chain.from_iterable(named):
         quiet = QUIET.get(type(tensor))
         if quiet is not None:
             tensor.__class__ = quiet
             switched.append(tensor)
-    if hook.offload_buffers:
-        buffers = module.named_buffers() if hook.place_submodules else module._buffers.items()
-        for _, tensor in buffers:
-            quiet = QUIET.get(type(tensor))
-            if quiet is not None:
-                tensor.__class__ = quiet
-                switched.append(tensor)
     return switched
 
 

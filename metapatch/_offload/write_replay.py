@@ -145,8 +145,8 @@ def assign(placeholder: Any, value: Any) -> None:
 
 
 def _count_write(placeholder: Any) -> None:
-    """A write kept for a quantized placeholder (bitsandbytes' ``Params4bit``): counted on its quant state, which the
-    weight loaded at the next forward carries (:func:`kept_writes`)."""
+    """A write kept for a quantized placeholder (bitsandbytes' ``Params4bit``): counted per quant state object, which
+    the weight loaded at the next forward carries (:func:`kept_writes`)."""
     state = placeholder.__dict__.get("quant_state")
     if state is None:
         return
