@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 
 import pytest
+from packaging.version import Version
 
 import metapatch
 from metapatch._offload.offloaded_weights import OffloadedWriteError
@@ -27,7 +28,7 @@ pytest.importorskip("bitsandbytes")
 transformers = pytest.importorskip("transformers")
 
 AFFECTED, WHY, _, _ = metapatch.registry.gate(PATCH)
-_FIVE = int(transformers.__version__.split(".")[0]) >= 5 and transformers.__version__ >= "5.1"
+_FIVE = Version(transformers.__version__).release >= (5, 1)
 pytestmark = [pytest.mark.skipif(not AFFECTED, reason=f"{PATCH.id} not in range here: {WHY}"),
               pytest.mark.skipif(not _FIVE, reason="4-bit layers mapped to disk load on this path from "
                                                    "transformers 5.1.0 (transformers-quantized-disk-weights)")]
