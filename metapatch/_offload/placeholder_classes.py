@@ -9,8 +9,8 @@ a meta tensor. Each runs the call on a ``PlaceholderData`` (``_make_wrapper_subc
 ``__torch_dispatch__`` hands every aten write to :func:`metapatch._offload.write_replay.replay_write`.
 
 A bitsandbytes ``Params4bit`` placeholder gets a ``Params4bit`` subclass of the same name
-(:func:`quantized_placeholder_class`). Each marked class has a quiet sibling (:func:`quiet_sibling`) whose
-``__torch_function__`` is the unmarked class's: what a placeholder is while its hook loads it.
+(:func:`quantized_placeholder_class`). Each marked class has a quiet sibling
+(:mod:`metapatch._offload.placeholder_quiet`): what a placeholder is while its hook loads it.
 
 The classes are built on first use (:func:`placeholder_class`), when torch is imported already; nothing here
 imports torch or accelerate at import time.
@@ -23,13 +23,11 @@ import sys
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
+from metapatch._offload.placeholder_quiet import quiet_sibling
 from metapatch._offload.write_replay import (ALIAS, RESHAPING, SLOT, assign, converted, describe, part, replay_call,
                                              replay_write, write_error, writes_into)
 
 CLASSES: Dict[str, Any] = {}  # torch's and the marked classes, by role, once built
-# A marked class -> its quiet sibling, and back (:func:`quiet_sibling`)
-QUIET: Dict[Any, Any] = {}
-LOUD: Dict[Any, Any] = {}
 
 # In-place methods that are no write of values (torch's names): left to torch.
 _NOT_WRITES = frozenset({"requires_grad_", "share_memory_", "detach_", "retain_grad", "record_stream",
@@ -100,28 +98,6 @@ def quantized_placeholder_class(base: Any) -> Any:
     CLASSES[base] = OffloadedPlaceholder4bit
     quiet_sibling(OffloadedPlaceholder4bit, base.__dict__.get("__torch_function__"))
     return OffloadedPlaceholder4bit
-
-
-def quiet_sibling(marked: Any, unmarked_torch_function: Any) -> Any:
-    """``marked`` with the unmarked class's ``__torch_function__`` (torch's disabled one, or bitsandbytes' own): what a
-    placeholder is while its hook loads its value (:func:`metapatch._offload.placeholder_writes.quieted`).
-
-    accelerate reads each placeholder about eight times as it loads it (``is_meta``, ``device``, ``shape``, ``dtype``,
-    ``requires_grad``, ``data_ptr()``); through the marked class's ``__torch_function__`` each read is a Python call
-    (about 25 us per offloaded parameter and forward), through this one none is. Everything else (``.data``, the
-    writing methods, the slot) is ``marked``'s, and the placeholder gets ``marked`` back when the load returns, so a
-    reference held to it still refuses or keeps a write by a torch function afterwards."""
-    if unmarked_torch_function is None:  # a bitsandbytes release whose Params4bit has none: nn.Parameter's
-        import torch
-
-        unmarked_torch_function = torch._C._disabled_torch_function_impl
-
-    class Quiet(marked):
-        __torch_function__ = unmarked_torch_function
-
-    Quiet.__name__, Quiet.__qualname__ = marked.__name__, marked.__qualname__
-    QUIET[marked], LOUD[Quiet] = Quiet, marked
-    return Quiet
 
 
 def _build_classes() -> Tuple[Any, Any, Any]:

@@ -41,7 +41,8 @@ import weakref
 from typing import Any, Dict, List
 
 from metapatch._offload.hook_state import weights_map_of
-from metapatch._offload.placeholder_classes import CLASSES, LOUD, QUIET, placeholder_class, quantized_placeholder_class
+from metapatch._offload.placeholder_classes import CLASSES, placeholder_class, quantized_placeholder_class
+from metapatch._offload.placeholder_quiet import LOUD, QUIET
 from metapatch._offload.store import TIED_MARK
 from metapatch._offload.write_replay import PARTNERS, SLOT
 
@@ -124,7 +125,7 @@ def mark(module: Any, hook: Any) -> None:
 
 def quieted(module: Any, hook: Any) -> List[Any]:
     """Before ``hook`` loads ``module``'s values (its ``pre_forward``): each marked placeholder takes its quiet sibling
-    class (:func:`metapatch._offload.placeholder_classes.quiet_sibling`), whose attribute reads cost what a plain
+    class (:func:`metapatch._offload.placeholder_quiet.quiet_sibling`), whose attribute reads cost what a plain
     parameter's do. Returns them for :func:`restored`, which gives each its marked class back when the load returns."""
     switched = []
     named = [module.named_parameters() if hook.place_submodules else module._parameters.items()]
