@@ -20,7 +20,7 @@ weight). Outputs are the ones the repacked kernel gives; training forwards and s
 the portable weight, untouched. Shapes the repack cannot take run the portable kernel. The copy is
 rebuilt after a write into the weight: its ``.data`` moves the parameter's ``_version`` from the
 first repacked forward on (a subclass of the same name; torch's ``.data`` has a counter of its own),
-and a write kept for an offloaded weight's placeholder is counted on its quant state.
+and writes kept for an offloaded weight's placeholder are counted per quant state object.
 
 An accelerate-offloaded layer gets a new parameter at every forward, so it would be repacked at
 every forward (a third of a dispatched 4-bit forward on such a CPU). For cpu offload its copy is
@@ -93,10 +93,10 @@ def _watched_class(base: Any) -> Any:
     """bitsandbytes' ``Params4bit`` (``base``) whose ``.data`` shares the parameter's version counter, as
     ``detach()`` does. A repacked copy is valid while the weight's ``_version`` stays; torch's ``.data`` has a
     version counter of its own, so ``weight.data.zero_()`` after an evaluation would leave the copy stale, and the
-    forward would compute with the bytes from before the write (upstream, repacking in place, sees it). Not seen: a
-    write through a ``.data`` taken before the weight's first repacked forward and held past it. A weight gets this class when its repacked copy is first made; a
-    parameter built from it (accelerate's reload, ``copy.deepcopy``) is a plain ``base``, and the class keeps
-    ``base``'s name, which accelerate and transformers dispatch on."""
+    forward would compute with the bytes from before the write (upstream, repacking in place, sees it). A weight
+    gets this class when its repacked copy is first made; a parameter built from it (accelerate's reload,
+    ``copy.deepcopy``) is a plain ``base``, and the class keeps ``base``'s name, which accelerate and transformers
+    dispatch on. Not seen: a write through a ``.data`` taken before that first repacked forward and held past it."""
     cls = _WATCHED.get(base)
     if cls is None:
         import torch
