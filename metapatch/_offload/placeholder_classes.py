@@ -19,6 +19,7 @@ imports torch or accelerate at import time.
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
@@ -73,6 +74,9 @@ def quantized_placeholder_class(base: Any) -> Any:
     # bitsandbytes' own __torch_function__ (torch.chunk/torch.split of a 4-bit parameter stay 4-bit parameters), where
     # the release has one; else the disabled one nn.Parameter has
     own_torch_function = getattr(base.__torch_function__, "__func__", None)
+    constructor_keywords = frozenset(
+        name for name, p in inspect.signature(base.__new__).parameters.items()
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)) - {"cls", "data", "requires_grad"}
 
     class OffloadedPlaceholder4bit(marked, base):
         _metapatch_plain = False  # a quantized class: the offload store does not copy it as a plain tensor
@@ -86,7 +90,12 @@ def quantized_placeholder_class(base: Any) -> Any:
                 import copy
 
                 fields = copy.deepcopy(fields, memo)
-            return base(tensor, self.requires_grad, **fields)
+            # what other libraries set on the parameter (transformers 5.x: ``_is_hf_initialized``) is an attribute of
+            # the copy, not an argument: bitsandbytes < 0.50 takes no keyword it does not name
+            extra = {k: fields.pop(k) for k in list(fields) if k not in constructor_keywords}
+            plain = base(tensor, self.requires_grad, **fields)
+            plain.__dict__.update(extra)
+            return plain
 
         @classmethod
         def _unrouted(cls, func: Any, types: Any, args: tuple, kwargs: dict) -> Any:
