@@ -18,9 +18,16 @@ trip (bf16 or fp16 and back) of the model or of a submodule; ``save_pretrained``
 tensor equal); PEFT's mixed model with a LoRA and a LoHa adapter both active; save the adapter and reload it over a
 fresh base through ``PeftModel.from_pretrained`` or transformers' ``load_adapter``; generate.
 
+The quantized machine (``make_machine(quantized=True)``, ``--quantized``) runs the same steps on a bitsandbytes
+4-bit model (nf4 or fp4, double quantization on or off, float32 compute): the in-memory one quantized on the CPU,
+the offloaded one through ``from_pretrained(quantization_config=..., device_map=...)`` with
+``llm_int8_enable_fp32_cpu_offload`` (the map resolved as ``device_map="auto"`` gives it). A write into a packed
+4-bit weight is a byte write (``BYTE_WRITES``); everything else is compared as above, ``torch.equal`` (the same
+kernels on the same CPU; bnb-cpu-repack-copy keeps both sides' stored bytes in the portable layout).
+
 The CI run is ``tests/test_flows.py`` (derandomized, a few examples). The long run, a command::
 
-    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python tests/_flows.py --examples 200 --steps 10 [--inits all] [--derandomize]
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python tests/_flows.py --examples 200 --steps 10 [--inits all] [--derandomize] [--quantized]
 
 prints the wall time of every sequence (hypothesis' shrinking replays included) and in all, how many sequences
 and steps ran, how many the offloaded side refused, and every failure hypothesis found, shrunk.
@@ -185,6 +192,22 @@ def _under(context: str, write: Any) -> Any:
     return run
 
 
+# Writes into the packed bytes of a 4-bit weight (a uint8 ``Params4bit``), as in
+# tests/patches/test_offloaded_placeholder_writes_4bit.py.
+def _pattern(like: Any) -> Any:
+    import torch
+
+    return (torch.arange(like.numel(), dtype=torch.int64) * 37 % 256).to(torch.uint8).reshape(like.shape)
+
+
+BYTE_WRITES = {
+    "bytes-data-zero-rows": lambda p: p.data[:64].zero_(),
+    "bytes-rows-under-no-grad": _under("no_grad", lambda p: p.__setitem__(slice(64, 128), 0)),
+    "bytes-data-slice-fill": lambda p: p.data[100:200].fill_(0x77),
+    "bytes-copy-pattern": lambda p: p.data.copy_(_pattern(p)),
+    "bytes-detach-xor": lambda p: p.detach().bitwise_xor_(0x0F),
+}
+
 WRITES = {
     "data-row": lambda p: p.data.__setitem__(1, _row(p)),
     "data-slice-add": lambda p: p.data[..., :3].add_(0.5),
@@ -220,21 +243,48 @@ def _replace(model: Any, target: str, how: str) -> None:
     raise KeyError(target)
 
 
-def make_machine(inits: tuple = INITS):
+# (quant_type, double_quant) of the quantized machine's 4-bit models
+QUANTS = (("nf4", True), ("nf4", False), ("fp4", True), ("fp4", False))
+
+
+def _quant_config(quant: tuple, offloaded: bool) -> Any:
+    from metapatch.selftest.transformers_quantized_disk_weights import quant_config
+
+    return quant_config(quant[0], quant[1], "float32", fp32_cpu_offload=offloaded)
+
+
+def _load(checkpoint: Path, quant: Optional[tuple]) -> Any:
+    """The in-memory model of ``checkpoint`` (4-bit on the CPU where ``quant`` is given)."""
+    from transformers import LlamaForCausalLM
+
+    if quant is None:
+        return LlamaForCausalLM.from_pretrained(checkpoint).eval()
+    from metapatch.selftest._bnb import load_quantized
+
+    return load_quantized(checkpoint, _quant_config(quant, offloaded=False), "cpu")
+
+
+def make_machine(inits: tuple = INITS, quantized: bool = False):
+    placements = st.lists(st.sampled_from(["cpu", "disk"]), min_size=len(MODULES), max_size=len(MODULES))
+    # the plain machine draws what it always drew (its derandomized CI sequences stay the same)
+    loads = (dict(tied=st.booleans(), placement=placements, quant=st.sampled_from(QUANTS)) if quantized else
+             dict(tied=st.booleans(), placement=placements, via=st.sampled_from(["from_pretrained", "to_empty"])))
+    write_kinds = (st.tuples(st.sampled_from(sorted(WRITES)), st.sampled_from(sorted(BYTE_WRITES))) if quantized
+                   else st.sampled_from(sorted(WRITES)))
+
     class FlowMachine(RuleBasedStateMachine):
         """Two models (``ref`` in memory, ``off`` offloaded) driven by the same steps."""
 
-        @initialize(tied=st.booleans(), placement=st.lists(st.sampled_from(["cpu", "disk"]), min_size=len(MODULES),
-                                                           max_size=len(MODULES)),
-                    via=st.sampled_from(["from_pretrained", "to_empty"]))
-        def load(self, tied: bool, placement: List[str], via: str = "from_pretrained") -> None:
+        @initialize(**loads)
+        def load(self, tied: bool, placement: List[str], via: str = "from_pretrained",
+                 quant: Optional[tuple] = None) -> None:
             """The offloaded model through ``from_pretrained(device_map=...)``; the in-memory one the same way, or
             (``via="to_empty"``) built under accelerate's ``init_empty_weights()``, materialised with
             ``to_empty()`` and loaded with torch's ``load_state_dict``: its non-persistent buffers (the rotary
-            table) are in no checkpoint and must keep the values they were built with."""
-            from transformers import LlamaForCausalLM
-
+            table) are in no checkpoint and must keep the values they were built with. With ``quant`` both are
+            4-bit (see the module's docstring)."""
             self.started, self.counts = time.monotonic(), dict(STATS)  # for this sequence's own share
+            self.quant = tuple(quant) if quant is not None else None
             if "disk" not in placement:
                 placement[-1] = "disk"
             self.work = Path(tempfile.mkdtemp(prefix="metapatch-flows-"))
@@ -245,9 +295,10 @@ def make_machine(inits: tuple = INITS):
             self.hashes = _digests(self.checkpoint)
             self.device_map = {"model.rotary_emb": "cpu", **dict(zip(MODULES, placement))}
             self.loads = 0
-            note(f"tied={tied} device_map={self.device_map} in-memory model via {via}")
-            self.ref = (LlamaForCausalLM.from_pretrained(self.checkpoint) if via == "from_pretrained"
-                        else _built_empty(self.checkpoint)).eval()
+            note(f"tied={tied} device_map={self.device_map} in-memory model via {via}"
+                 + (f", 4-bit {self.quant}" if self.quant else ""))
+            self.ref = (_load(self.checkpoint, self.quant) if via == "from_pretrained"
+                        else _built_empty(self.checkpoint).eval())
             self.off = self._load_offloaded()
             self.peft = False  # PeftModel (True) or a transformers model (False)
             self.adapters: List[str] = []
@@ -261,8 +312,13 @@ def make_machine(inits: tuple = INITS):
             from transformers import LlamaForCausalLM
 
             self.loads += 1
+            folder = self.work / f"offload{self.loads}"
+            if self.quant is not None:  # the map as device_map="auto" resolves to it (a quantized load's path)
+                from metapatch.selftest.transformers_quantized_disk_weights import load_auto
+
+                return load_auto(self.checkpoint, _quant_config(self.quant, offloaded=True), self.device_map, folder)
             return LlamaForCausalLM.from_pretrained(self.checkpoint, device_map=self.device_map,
-                                                    offload_folder=str(self.work / f"offload{self.loads}")).eval()
+                                                    offload_folder=str(folder)).eval()
 
         # -- the comparison ----------------------------------------------------------------------
 
@@ -477,13 +533,8 @@ def make_machine(inits: tuple = INITS):
             subfolder = "" if active == "default" else active
 
             def reload(model: Any) -> Any:
-                from transformers import LlamaForCausalLM
-
                 path = folders[model is self.off] / subfolder
-                if model is self.off:
-                    base = self._load_offloaded()
-                else:
-                    base = LlamaForCausalLM.from_pretrained(self.checkpoint).eval()
+                base = self._load_offloaded() if model is self.off else _load(self.checkpoint, self.quant)
                 if self.vocab != base.config.vocab_size:
                     base.resize_token_embeddings(self.vocab)
                 if entry == "load_adapter":
@@ -498,12 +549,24 @@ def make_machine(inits: tuple = INITS):
                 self.adapters = [active]
 
         @precondition(lambda self: not self.done)
-        @rule(weight=st.sampled_from(WRITE_TARGETS), kind=st.sampled_from(sorted(WRITES)))
-        def write(self, weight: str, kind: str) -> None:
+        @rule(weight=st.sampled_from(WRITE_TARGETS), kind=write_kinds)
+        def write(self, weight: str, kind: Any) -> None:
             """A write into one weight between forwards, as users make them (textual inversion's ``.data`` row,
             an init or a scaling under ``no_grad``, a row under ``inference_mode``): where the weight is offloaded
-            it must reach the next forward (or be refused)."""
-            self._both(f"write {kind} into {weight}", lambda m: WRITES[kind](_parameter(m, weight)))
+            it must reach the next forward (or be refused). The quantized machine draws a float write and a byte
+            write, and makes the one the weight takes (a packed 4-bit weight takes bytes)."""
+            import torch
+
+            def run(model: Any) -> None:
+                param = _parameter(model, weight)
+                if isinstance(kind, str):
+                    WRITES[kind](param)
+                elif param.dtype == torch.uint8:
+                    BYTE_WRITES[kind[1]](param)
+                else:
+                    WRITES[kind[0]](param)
+
+            self._both(f"write {kind} into {weight}", run)
 
         @precondition(lambda self: not self.done)
         @rule(weight=st.sampled_from(WRITE_TARGETS), how=st.sampled_from(["setattr", "load_state_dict-assign"]))
@@ -555,6 +618,8 @@ def make_machine(inits: tuple = INITS):
             def save(model: Any) -> Dict[str, Any]:
                 folder = self.work / f"saved-{'ref' if model is self.ref else 'off'}-{self.saves}"
                 model.save_pretrained(folder)
+                if self.quant is not None:  # a 4-bit checkpoint, loaded as saved (its own quantization config)
+                    return LlamaForCausalLM.from_pretrained(folder, device_map={"": "cpu"}).state_dict()
                 return LlamaForCausalLM.from_pretrained(folder).state_dict()
 
             pair = self._both("save_pretrained", save)
@@ -621,9 +686,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--inits", choices=["ci", "all"], default="all")
     parser.add_argument("--derandomize", action="store_true", help="the same sequences every run")
+    parser.add_argument("--quantized", action="store_true", help="bitsandbytes 4-bit models (needs bitsandbytes)")
     args = parser.parse_args(argv)
     inits = INITS + (OPEN_INITS if args.inits == "all" else ())
-    machine = make_machine(inits)
+    machine = make_machine(inits, quantized=args.quantized)
     machine.TestCase.settings = settings(max_examples=args.examples, stateful_step_count=args.steps, deadline=None,
                                          suppress_health_check=list(HealthCheck), database=None,
                                          derandomize=args.derandomize)
@@ -637,7 +703,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(line)
     print(f"flows: {STATS['sequences']} sequences, {STATS['steps']} steps ({STATS['refused']} refused with "
           f"MetapatchError, {STATS['reference_failed']} where the in-memory model itself raised), "
-          f"{time.monotonic() - started:.1f} s in all, inits {inits}")
+          f"{time.monotonic() - started:.1f} s in all, inits {inits}" + (", 4-bit" if args.quantized else ""))
     if failure is not None:
         for found in getattr(failure, "exceptions", [failure]):  # hypothesis reports distinct failures as a group
             print(f"FOUND: {type(found).__name__}: {found}")

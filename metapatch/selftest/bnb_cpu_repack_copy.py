@@ -384,9 +384,15 @@ def dispatched_models(workdir: Path) -> Dict[str, Any]:
     over them: a tiny Llama with ``bnb_4bit_quant_storage=bfloat16`` (FSDP/QLoRA recipes) and a tiny
     Gemma4ForCausalLM (nf4 double quant; its per-layer projections are not a multiple of the repack
     block). Logits equal to the in-memory model, the dispatched state dict byte-equal to it."""
+    import bitsandbytes.functional
+
     from . import NotApplicable
     from ._bnb import base_checkpoint
 
+    if not hasattr(bitsandbytes.functional, "_convert_weight_packed_for_cpu"):
+        # as in the layer matrix: bitsandbytes < 0.49 has no CPU repack, and its CPU kernels take only uint8
+        # storage (the in-memory Llama with bfloat16 storage fails too); its offload bugs are bnb-quant-state-offload's
+        raise NotApplicable("needs bitsandbytes >= 0.49 (CPU weight repacking)")
     repack = cpu_repack()
     metrics: Dict[str, Any] = {"max_abs_diff": 0.0, "cpu_repack": repack}
     metrics["llama_bfloat16_storage"] = _dispatched_model_case(workdir, "llama", base_checkpoint(workdir), "bfloat16")

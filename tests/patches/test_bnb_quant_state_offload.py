@@ -323,7 +323,8 @@ def test_meta_state_without_host_copy_is_refused_in_process():
     import torch
     from bitsandbytes.functional import QuantState
 
-    layer = bnb.nn.Linear4bit(64, 32, bias=False, compress_statistics=True, quant_type="fp4").to("cpu")
+    # nf4: bitsandbytes 0.46 quantizes no fp4 on the CPU (the double quant's nested offset is what is tested)
+    layer = bnb.nn.Linear4bit(64, 32, bias=False, compress_statistics=True, quant_type="nf4").to("cpu")
     stats = {k[len("weight."):]: v for k, v in layer.state_dict().items() if k.startswith("weight.")}
     meta_state = QuantState.from_dict(stats, device=torch.device("meta"))
     layer.weight.quant_state = meta_state
