@@ -22,6 +22,30 @@ class TestFlowsCI(FlowMachine.TestCase):
                         suppress_health_check=list(HealthCheck))
 
 
+def _quantized_flows_skip() -> str:
+    import importlib.util
+
+    import transformers
+    from packaging.version import Version
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return "needs bitsandbytes"
+    if Version(transformers.__version__).release < (5, 1):
+        return "4-bit layers mapped to disk load on this path from transformers 5.1.0 (transformers-quantized-disk-weights)"
+    return ""
+
+
+QuantizedFlowMachine = _flows.make_machine(_flows.INITS, quantized=True)
+
+
+@pytest.mark.skipif(bool(_quantized_flows_skip()), reason=_quantized_flows_skip())
+class TestQuantizedFlowsCI(QuantizedFlowMachine.TestCase):
+    """The same steps on bitsandbytes 4-bit models (byte writes into packed weights among them)."""
+
+    settings = settings(max_examples=8, stateful_step_count=8, derandomize=True, deadline=None, database=None,
+                        suppress_health_check=list(HealthCheck))
+
+
 def test_flows_ran_steps():
     """The run above did run sequences of steps (a strategy or precondition mistake would make it vacuous)."""
     if _flows.STATS["sequences"] == 0:
