@@ -149,6 +149,13 @@ def test_transformers_load_adapter_leaves_dora_magnitudes_missing_upstream(tmp_p
     ``...lora_magnitude_vector.<adapter>.weight`` in the model), so it is initialised anew and the reload
     differs from the model that was saved. When transformers maps it, this fails: let tests/_flows.py reload
     DoRA adapters through load_adapter again."""
+    import transformers
+    from packaging.version import Version
+
+    if Version(transformers.__version__).release < (5,):
+        # measured on transformers 4.57.1 (peft 0.17.0): its load_adapter loads the magnitude vector, the reload
+        # equals the saved model; the 5.x loader's key mapping is the one that misses it
+        pytest.skip(f"transformers {transformers.__version__} loads DoRA's magnitude vector (a 5.x bug)")
     import peft
     import torch
     from transformers import LlamaForCausalLM
