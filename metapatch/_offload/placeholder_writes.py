@@ -91,8 +91,14 @@ class _Partners(dict):
         for name, (ref, partner_name) in self.items():
             partner = ref()
             partner_copy = memo.get(id(partner)) if partner is not None else None
-            if partner_copy is not None:
-                copied[name] = (weakref.ref(partner_copy), partner_name)
+            if partner_copy is None:
+                continue
+            copied[name] = (weakref.ref(partner_copy), partner_name)
+            # the partner was copied first, when this module's copy did not exist yet: its copy gets the way back
+            back = partner.__dict__.get(PARTNERS, {}).get(partner_name)
+            owner_copy = memo.get(id(back[0]())) if back is not None and back[0]() is not None else None
+            if owner_copy is not None:
+                partner_copy.__dict__.setdefault(PARTNERS, _Partners())[partner_name] = (weakref.ref(owner_copy), name)
         return copied
 
 

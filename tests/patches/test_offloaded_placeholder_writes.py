@@ -469,6 +469,35 @@ def test_replacing_a_tied_offloaded_weight_unties_it_as_in_memory(tmp_path, plac
 
 
 @in_range
+@pytest.mark.parametrize("copied", [False, True], ids=["model", "deep-copy"])
+@pytest.mark.parametrize("replaced", ["model.embed_tokens", "lm_head"])
+def test_a_replaced_tied_weight_is_saved_untied_as_in_memory(tmp_path, replaced, copied):
+    """Found by the flow tester (tests/_flows.py): replacing one of two tied offloaded weights unties them in memory,
+    and ``save_pretrained`` saves both. Offloaded, after the next forward their placeholders were one object again
+    (so that transformers finds the tie by identity), and the save dropped the head: reloaded, it was tied to the new
+    embedding (a wrong checkpoint, silently). In a deep copy too (the copy's tie was kept on one side only)."""
+    import copy
+
+    from transformers import LlamaForCausalLM
+
+    _, reference, model = _tied_pair(tmp_path)
+    if copied:
+        reference, model = copy.deepcopy(reference), copy.deepcopy(model)
+    for m in (reference, model):
+        old = m.get_submodule(replaced).weight
+        m.get_submodule(replaced).weight = torch.nn.Parameter(torch.linspace(-0.05, 0.05, old.numel()).reshape(old.shape))
+    assert torch.equal(_logits(model), _logits(reference))  # the forward that offloads the replacement again
+    saved = {}
+    for side, m in (("reference", reference), ("offloaded", model)):
+        m.save_pretrained(tmp_path / side)
+        saved[side] = LlamaForCausalLM.from_pretrained(tmp_path / side).state_dict()
+    assert saved["offloaded"].keys() == saved["reference"].keys()
+    for key, value in saved["reference"].items():
+        assert torch.equal(saved["offloaded"][key], value), key
+    assert not torch.equal(saved["reference"]["lm_head.weight"], saved["reference"]["model.embed_tokens.weight"])
+
+
+@in_range
 def test_a_re_tie_after_dispatch_serves_the_partner_s_own_tensor(tmp_path):
     """The embedding in memory, the tied head on disk; ``tie_weights()`` after dispatch puts the embedding's tensor in
     the head's slot: kept as that tensor, so a later write into the embedding reaches the head, as in memory."""
