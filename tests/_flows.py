@@ -19,7 +19,7 @@ tensor equal); PEFT's mixed model with a LoRA and a LoHa adapter both active; sa
 fresh base through ``PeftModel.from_pretrained`` or transformers' ``load_adapter``; generate.
 
 The quantized machine (``make_machine(quantized=True)``, ``--quantized``) runs the same steps on a bitsandbytes
-4-bit model (nf4 or fp4, double quantization on or off, float32 compute): the in-memory one quantized on the CPU,
+4-bit model (nf4 or fp4, double quantization on or off, float32 or bfloat16 compute): the in-memory one quantized on the CPU,
 the offloaded one through ``from_pretrained(quantization_config=..., device_map=...)`` with
 ``llm_int8_enable_fp32_cpu_offload`` (the map resolved as ``device_map="auto"`` gives it). A write into a packed
 4-bit weight is a byte write (``BYTE_WRITES``); everything else is compared as above, ``torch.equal`` (the same
@@ -243,14 +243,15 @@ def _replace(model: Any, target: str, how: str) -> None:
     raise KeyError(target)
 
 
-# (quant_type, double_quant) of the quantized machine's 4-bit models
-QUANTS = (("nf4", True), ("nf4", False), ("fp4", True), ("fp4", False))
+# (quant_type, double_quant, compute dtype) of the quantized machine's 4-bit models
+QUANTS = tuple((quant_type, double_quant, compute) for quant_type in ("nf4", "fp4") for double_quant in (True, False)
+               for compute in ("float32", "bfloat16"))
 
 
 def _quant_config(quant: tuple, offloaded: bool) -> Any:
     from metapatch.selftest.transformers_quantized_disk_weights import quant_config
 
-    return quant_config(quant[0], quant[1], "float32", fp32_cpu_offload=offloaded)
+    return quant_config(*quant, fp32_cpu_offload=offloaded)
 
 
 def _load(checkpoint: Path, quant: Optional[tuple]) -> Any:
