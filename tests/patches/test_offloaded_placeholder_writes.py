@@ -500,7 +500,13 @@ def test_a_replaced_tied_weight_is_saved_untied_as_in_memory(tmp_path, replaced,
     assert saved["offloaded"].keys() == saved["reference"].keys()
     for key, value in saved["reference"].items():
         assert torch.equal(saved["offloaded"][key], value), key
-    assert not torch.equal(saved["reference"]["lm_head.weight"], saved["reference"]["model.embed_tokens.weight"])
+    import transformers
+    from packaging.version import Version
+
+    if Version(transformers.__version__).release >= (5,):
+        # transformers 5.x reloads both as saved (untied); 4.57 ties a tied config's head again on load, whatever the
+        # file holds (measured: the in-memory model's reload equals its new embedding there)
+        assert not torch.equal(saved["reference"]["lm_head.weight"], saved["reference"]["model.embed_tokens.weight"])
 
 
 @in_range
