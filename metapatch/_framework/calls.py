@@ -22,3 +22,10 @@ def call_arguments(func: Any, args: tuple, kwargs: dict) -> Dict[str, Any]:
     bound = signature_of(func).bind(*args, **kwargs)
     bound.apply_defaults()
     return dict(bound.arguments)
+
+
+def keyword_names(func: Any) -> frozenset:
+    """The parameters of ``func`` a call may pass by keyword (a keyword outside them is refused, unless ``func``
+    takes ``**kwargs``, whose name is not among them)."""
+    return frozenset(name for name, p in signature_of(func).parameters.items()
+                     if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))

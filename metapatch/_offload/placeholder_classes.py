@@ -19,11 +19,11 @@ imports torch or accelerate at import time.
 from __future__ import annotations
 
 import functools
-import inspect
 import sys
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
+from metapatch._framework.calls import keyword_names
 from metapatch._offload.placeholder_quiet import quiet_sibling
 from metapatch._offload.write_replay import (ALIAS, RESHAPING, SLOT, assign, converted, describe, part, replay_call,
                                              replay_write, write_error, writes_into)
@@ -74,9 +74,7 @@ def quantized_placeholder_class(base: Any) -> Any:
     # bitsandbytes' own __torch_function__ (torch.chunk/torch.split of a 4-bit parameter stay 4-bit parameters), where
     # the release has one; else the disabled one nn.Parameter has
     own_torch_function = getattr(base.__torch_function__, "__func__", None)
-    constructor_keywords = frozenset(
-        name for name, p in inspect.signature(base.__new__).parameters.items()
-        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)) - {"cls", "data", "requires_grad"}
+    constructor_keywords = keyword_names(base.__new__) - {"cls", "data", "requires_grad"}
 
     class OffloadedPlaceholder4bit(marked, base):
         _metapatch_plain = False  # a quantized class: the offload store does not copy it as a plain tensor

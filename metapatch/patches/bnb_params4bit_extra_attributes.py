@@ -17,15 +17,14 @@ bitsandbytes' own ``Params4bit.to`` drops them in every release, so nothing comp
 from __future__ import annotations
 
 import functools
-import inspect
 from typing import Any
 
+from metapatch._framework.calls import keyword_names
 from metapatch._framework.records import Patch, Target, Upstream
 
 
 def _accepting_extra_keywords(original: Any) -> Any:
-    known = frozenset(name for name, p in inspect.signature(original).parameters.items()
-                      if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+    known = keyword_names(original)
 
     @functools.wraps(original)
     def __new__(cls: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N807 - it is __new__
