@@ -82,6 +82,23 @@ def record_tie(module: Any, name: str, other: Any, other_name: str) -> None:
         owner.__dict__.setdefault(PARTNERS, _Partners())[local] = (weakref.ref(partner), partner_name)
 
 
+def untie(module: Any, name: str, replacement: Any) -> None:
+    """The program replaced ``module.<name>``, a tied offloaded weight, by ``replacement``: in memory the two tied
+    parameters are separate objects from then on, so their placeholders must not be one object again after the next
+    forward (transformers' ``save_pretrained`` finds ties among offloaded tensors by that identity, and would save the
+    partner's values under one name only). A re-tie (``replacement`` is the partner's own tensor) stays a tie."""
+    partners = module.__dict__.get(PARTNERS)
+    if not partners or name not in partners:
+        return
+    ref, partner_name = partners[name]
+    partner = ref()
+    if partner is not None and partner._parameters.get(partner_name) is replacement:
+        return
+    del partners[name]
+    if partner is not None:
+        partner.__dict__.get(PARTNERS, {}).pop(partner_name, None)
+
+
 class _Partners(dict):
     """A module's tie partners (:data:`PARTNERS`). A deep copy of the model maps them to the partners' copies (copied
     before this module), and leaves out the others: a copy must never share a placeholder with the original."""
@@ -96,7 +113,8 @@ class _Partners(dict):
             copied[name] = (weakref.ref(partner_copy), partner_name)
             # the partner was copied first, when this module's copy did not exist yet: its copy gets the way back
             back = partner.__dict__.get(PARTNERS, {}).get(partner_name)
-            owner_copy = memo.get(id(back[0]())) if back is not None and back[0]() is not None else None
+            owner = back[0]() if back is not None else None
+            owner_copy = memo.get(id(owner)) if owner is not None else None
             if owner_copy is not None:
                 partner_copy.__dict__.setdefault(PARTNERS, _Partners())[partner_name] = (weakref.ref(owner_copy), name)
         return copied

@@ -23,7 +23,8 @@ from __future__ import annotations
 from typing import Any, List, Optional
 
 from metapatch._offload.hook_state import weights_map_of
-from metapatch._offload.write_replay import describe, untie, write_error
+from metapatch._offload.placeholder_writes import untie
+from metapatch._offload.write_replay import describe, write_error
 from metapatch._offload.holds import held
 from metapatch._offload.store import HOOK_LOADED, overlay_of, plain_tensor, slot_tensors, torch_plain
 

@@ -125,23 +125,6 @@ def converted(placeholder: Any) -> None:
         convert(partner_hook, partner_name, placeholder.dtype)
 
 
-def untie(module: Any, name: str, replacement: Any) -> None:
-    """The program replaced ``module.<name>``, a tied offloaded weight, by ``replacement``: in memory the two tied
-    parameters are separate objects from then on, so their placeholders must not be one object again after the next
-    forward (transformers' ``save_pretrained`` finds ties among offloaded tensors by that identity, and would save the
-    partner's values under one name only). A re-tie (``replacement`` is the partner's own tensor) stays a tie."""
-    partners = module.__dict__.get(PARTNERS)
-    if not partners or name not in partners:
-        return
-    ref, partner_name = partners[name]
-    partner = ref()
-    if partner is not None and partner._parameters.get(partner_name) is replacement:
-        return
-    del partners[name]
-    if partner is not None:
-        partner.__dict__.get(PARTNERS, {}).pop(partner_name, None)
-
-
 def assign(placeholder: Any, value: Any) -> None:
     """``weight.data = value`` on a marked placeholder: in memory the parameter takes ``value``'s storage (it
     aliases it); here ``value`` (a CPU tensor as it is, so later writes into it show as in memory; another device's
