@@ -65,6 +65,10 @@ FLOWS = {
     # 4-bit layers on disk and on cpu under an inferred map, quantized on GPU 0 like the in-memory model
     "transformers-quantized-disk-weights/auto-map-generate-save": {"generated_tokens": 8},
     "transformers-quantized-disk-weights/prequantized-checkpoint": {},
+    # writes into offloaded weights with operands on GPU 0 (a 0-dim scale, an index tensor), replayed on the stored
+    # value in CPU memory, and a weight replaced by a tensor on GPU 0; the in-memory reference is on GPU 0
+    "offloaded-placeholder-writes/in-place-edits": {"refused": ""},
+    "offloaded-placeholder-writes/replaced-weights": {"refused": ""},
 }
 
 

@@ -180,7 +180,9 @@ def replay_write(func: Any, args: tuple, kwargs: dict, data_cls: Any) -> Any:
                 raise write_error("metapatch: a write into an offloaded weight's placeholder from a tensor on the meta "
                              "device (itself a placeholder, or computed from one): its values are unknown here. "
                              "Read the value inside a forward, or from the in-memory model.")
-            return value.to("cpu") if value.device.type != "cpu" and value.dim() > 0 else value
+            # every operand on another device comes to the stored value's, a 0-dim one too: torch lets a CPU
+            # scalar into a CUDA kernel, not a CUDA scalar (``w.mul_(norm)``, ``w.data[i_on_gpu] = v``) into a CPU one
+            return value.to("cpu") if value.device.type != "cpu" else value
         return value
 
     # Outside inference mode: a value copied under it would be an inference tensor, which accelerate cannot make

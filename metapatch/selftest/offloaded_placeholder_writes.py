@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict
 
 from . import NotApplicable
-from ._device import main_device, to_device
+from ._device import execution_device, main_device, to_device
 from ._harness import Scenario
 from ._models import device_input_ids, max_abs_diff, save_tiny_llama
 
@@ -94,13 +94,19 @@ def _learn_token(model: Any) -> None:
 
 
 def _edit_in_place(model: Any) -> None:
+    """In-place edits under ``no_grad``, some with operands on the execution device, as a GPU program computes them
+    (a 0-dim scale, an index tensor, a row): the offloaded weight's stored value is in CPU memory."""
     import torch
 
+    device = execution_device()
     with torch.no_grad():
         torch.nn.init.zeros_(model.model.layers[3].mlp.down_proj.weight)
         model.lm_head.weight.mul_(0.5)
         model.lm_head.weight[3] = 1.0
         model.model.layers[3].self_attn.q_proj.weight.data[:, :4] += 1.0
+        model.model.layers[3].self_attn.k_proj.weight.mul_(torch.tensor(0.75, device=device))
+        model.lm_head.weight.data[torch.tensor(7, device=device)] = torch.full(
+            (model.config.hidden_size,), -0.25, device=device)
 
 
 def _replace(model: Any) -> None:

@@ -84,6 +84,9 @@ WRITES = {
     "out-kwarg": lambda m: torch.mul(torch.ones(64), 3.0, out=m.model.layers[3].post_attention_layernorm.weight.data),
     "iadd-operator": lambda m: m.model.layers[1].self_attn.k_proj.weight.__iadd__(1.0),
     "chained": lambda m: m.lm_head.weight.mul_(0.5).add_(0.1),
+    # 0-dim tensor operands (on GPU 0 in selftest's in-place-edits where CUDA is present: moved to the stored value's)
+    "no-grad-mul-0dim-tensor": lambda m: m.model.layers[3].self_attn.k_proj.weight.mul_(torch.tensor(0.75)),
+    "data-row-at-0dim-index": lambda m: m.lm_head.weight.data.__setitem__(torch.tensor(7), torch.full((64,), -0.25)),
     "detach-copy": lambda m: m.model.layers[3].self_attn.q_proj.weight.detach().copy_(torch.full((64, 64), 0.02)),
     "split-parts": lambda m: [part.mul_(index + 1) for index, part in enumerate(m.lm_head.weight.split(40))],
     "unbind-row": lambda m: m.model.layers[1].mlp.down_proj.weight.unbind(0)[3].fill_(0.2),
