@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 from metapatch._offload.offloaded_weights import OffloadedWriteError
-from metapatch._offload.store import LOADED_VERSION, TIED_MARK, keep, refuse, slot_tensors, torch_plain
+from metapatch._offload.store import LOADED_VERSION, keep, refuse, slot_tensors, tied_name, torch_plain
 
 def note_versions(module: Any, hook: Any) -> None:
     """After ``hook`` loaded ``module``'s tensors: remember where each one's ``_version`` stands, or, for a buffer of a
@@ -68,7 +68,7 @@ def keep_forward_writes(module: Any, hook: Any) -> None:
         if tensor.is_meta or LOADED_VERSION not in tensor.__dict__ or not _written(tensor):
             continue
         del tensor.__dict__[LOADED_VERSION]
-        if name in (getattr(hook, "tied_params_names", None) or ()) or name in module.__dict__.get(TIED_MARK, ()):
+        if tied_name(module, hook, name):
             tied.append((module, name))
             continue
         import torch

@@ -43,19 +43,22 @@ from typing import Any, Dict, List
 from metapatch._offload.hook_state import weights_map_of
 from metapatch._offload.placeholder_classes import CLASSES, placeholder_class, quantized_placeholder_class
 from metapatch._offload.placeholder_quiet import LOUD, QUIET
-from metapatch._offload.store import TIED_MARK
+from metapatch._offload.store import NOT_A_PAIR, TIED_MARK
 from metapatch._offload.write_replay import PARTNERS, SLOT
 
-_SEEN: List[Any] = []  # [WeakIdKeyDictionary: tensor -> (weakref to module, name)], built on first use
+# [WeakIdKeyDictionary: tensor -> [(weakref to a module holding it when its hook was attached, name, offloaded)]],
+# built on first use
+_SEEN: List[Any] = []
 
 
 def note_ties(module: Any, hook: Any) -> None:
-    """Before ``hook`` offloads ``module`` (its ``init_hook``): a parameter object another offloaded module held when
-    its hook was attached is a tied weight (a tied head and input embedding are one object until their hooks put a
-    placeholder in each). Both modules are marked (``TIED_MARK``): a write into either placeholder raises, since each
-    hook serves its own copy and the in-memory model would change both."""
-    if not getattr(hook, "offload", False):
-        return
+    """Before ``hook`` attaches to ``module`` (its ``init_hook``, offloading or not): a parameter object another module
+    held when its hook was attached is a tied weight (a tied head and input embedding are one object until their
+    offload hooks put a placeholder in each). Two offloaded modules holding it are recorded as tie partners
+    (:func:`record_tie`): their placeholders are one object between forwards, and a write into it is kept for both
+    hooks. A tie with a third member, or with a module kept in memory, is marked ``NOT_A_PAIR`` on its offloaded
+    members: a write into their placeholder raises, since it could not reach every copy."""
+    offloading = getattr(hook, "offload", False)
     from torch.utils.weak import WeakIdKeyDictionary
 
     if not _SEEN:
@@ -65,21 +68,36 @@ def note_ties(module: Any, hook: Any) -> None:
     for name, tensor in list(named):
         if tensor is None:
             continue
-        earlier = seen.get(tensor)
-        other = earlier[0]() if earlier is not None else None
-        if other is None:
-            seen[tensor] = (weakref.ref(module), name)
-        elif other is not module:
-            record_tie(other, earlier[1], module, name)
+        holders = [(ref(), held, offloaded) for ref, held, offloaded in seen.get(tensor, ())]
+        holders = [(other, held, offloaded) for other, held, offloaded in holders
+                   if other is not None and other is not module]
+        seen[tensor] = [(weakref.ref(other), held, offloaded) for other, held, offloaded in holders] + \
+            [(weakref.ref(module), name, offloading)]
+        if not holders:
+            continue
+        first_offloaded = next(((other, held) for other, held, offloaded in holders if offloaded), None)
+        if offloading and first_offloaded is not None:
+            record_tie(first_offloaded[0], first_offloaded[1], module, name)
+        if len(holders) > 1 or not offloading or not all(offloaded for _, _, offloaded in holders):
+            for other, held in [(o, h) for o, h, offloaded in holders if offloaded] + ([(module, name)] if offloading
+                                                                                      else []):
+                other.__dict__[NOT_A_PAIR] = frozenset(other.__dict__.get(NOT_A_PAIR, ())) | {held}
 
 
 def record_tie(module: Any, name: str, other: Any, other_name: str) -> None:
-    """``module.<name>`` and ``other.<other_name>`` are one tied weight served by two hooks: writes into either are
-    refused, and their placeholders are one object between forwards (:func:`mark`)."""
+    """``module.<name>`` and ``other.<other_name>`` are one tied weight served by two hooks: their placeholders are one
+    object between forwards (:func:`mark`), and a write into it is kept for both (:func:`tie_partner`). Recording a
+    second partner for either side (a tie of three or more) marks all of them ``NOT_A_PAIR``."""
     for (owner, local), (partner, partner_name) in (((module, name), (other, other_name)),
                                                    ((other, other_name), (module, name))):
         owner.__dict__[TIED_MARK] = frozenset(owner.__dict__.get(TIED_MARK, ())) | {local}
-        owner.__dict__.setdefault(PARTNERS, _Partners())[local] = (weakref.ref(partner), partner_name)
+        partners = owner.__dict__.setdefault(PARTNERS, _Partners())
+        earlier = partners.get(local)
+        earlier_partner = earlier[0]() if earlier is not None else None
+        if earlier_partner is not None and (earlier_partner is not partner or earlier[1] != partner_name):
+            for member, member_name in ((owner, local), (partner, partner_name), (earlier_partner, earlier[1])):
+                member.__dict__[NOT_A_PAIR] = frozenset(member.__dict__.get(NOT_A_PAIR, ())) | {member_name}
+        partners[local] = (weakref.ref(partner), partner_name)
 
 
 def untie(module: Any, name: str, replacement: Any) -> None:

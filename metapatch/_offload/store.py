@@ -97,6 +97,18 @@ class Overlay(Mapping):
 
 
 TIED_MARK = "_metapatch_tied_tensors"  # on a module: names of its tensors tied to another module's
+# On a module: names of its offloaded tensors tied to more than one other module's, or to one kept in memory
+# (metapatch._offload.placeholder_writes.note_ties): a write into one cannot reach every copy.
+NOT_A_PAIR = "_metapatch_tie_not_a_pair"
+
+
+def tied_name(module: Any, hook: Any, name: str) -> bool:
+    """Whether ``module.<name>``, which ``hook`` offloads, is tied to another module's tensor: by accelerate's own
+    record, or by metapatch's (:func:`mark_tied`, ``note_ties``)."""
+    return (name in (getattr(hook, "tied_params_names", None) or ()) or name in module.__dict__.get(TIED_MARK, ())
+            or name in module.__dict__.get(NOT_A_PAIR, ()))
+
+
 # On a tensor an offload hook loaded into its module (or metapatch stood in for it): never the program's own, so
 # a later load that finds it still there (a forward that raised before its post_forward, a re-entered module)
 # does not take it for a replacement (replaced_weights.adopt_replacements).
@@ -225,7 +237,7 @@ def keep_changes(module: Any, hook: Any, taken: Dict[str, Any], refused: List[Tu
             continue
         if tensor.is_meta:
             continue  # put back on meta meanwhile: nothing was written that a read could see
-        if name in (getattr(hook, "tied_params_names", None) or ()) or name in module.__dict__.get(TIED_MARK, ()):
+        if tied_name(module, hook, name):
             # accelerate serves each tied copy from its own hook: keeping the write here would
             # leave the partner (a tied head, say) with the old value, silently.
             tied.append((module, name))

@@ -15,12 +15,12 @@ Nothing here imports torch or accelerate at import time.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from metapatch._framework.records import MetapatchError
 from metapatch._offload.hook_state import offload_hook
 from metapatch._offload.offloaded_weights import OffloadedWriteError
-from metapatch._offload.store import TIED_MARK, convert, overlay_of
+from metapatch._offload.store import NOT_A_PAIR, convert, overlay_of, tied_name
 
 SLOT = "_metapatch_placeholder_of"  # in a marked placeholder's __dict__: (weakref to module, local dotted name)
 ALIAS = "_metapatch_entry_of"  # in a state_dict() entry's __dict__: the marked placeholder it aliases
@@ -47,7 +47,8 @@ def describe(module: Any, name: str) -> str:
 
 def owner(placeholder: Any, tied_ok: bool = False) -> Tuple[Any, str, Any]:
     """(module, name as its weights map names it, hook) a marked placeholder stands for; raises when its
-    module no longer holds it (a copy of the model, the module loaded back) or serves it from no store."""
+    module no longer holds it (a copy of the model, the module loaded back) or serves it from no store, and, unless
+    ``tied_ok``, when it is a tied weight whose every copy a write could not reach (:func:`tie_partner`)."""
     ref, name = placeholder.__dict__.get(SLOT, (None, ""))
     module = ref() if ref is not None else None
     holder = module
@@ -64,34 +65,52 @@ def owner(placeholder: Any, tied_ok: bool = False) -> Tuple[Any, str, Any]:
     if hook is None:
         raise write_error(f"metapatch: a write into {describe(module, name)}, a meta placeholder no accelerate offload "
                      f"hook serves any more: the value would go nowhere.")
-    tied = set(getattr(hook, "tied_params_names", None) or ())
-    if not tied_ok and (name in tied or name in module.__dict__.get(TIED_MARK, ())):
-        raise write_error(f"metapatch: a write into {describe(module, name)}, an offloaded weight tied to another "
-                     f"module's: accelerate serves each tied copy from its own hook, so keeping the write here "
-                     f"would leave the other with the old value. Write before dispatching the model, or keep the "
-                     f"tied modules in memory (device_map).")
+    if not tied_ok and tied_name(module, hook, name) and tie_partner(module, name, placeholder) is None:
+        raise write_error(f"metapatch: a write into {describe(module, name)}, an offloaded weight tied to other "
+                     f"modules' in a way metapatch cannot follow (more than one other module, one kept in memory, or "
+                     f"a tie it did not see being made): keeping the write here could leave another copy with the "
+                     f"old value. Write before dispatching the model, or keep the tied modules in memory (device_map).")
     return module, name, hook
+
+
+def tie_partner(module: Any, name: str, placeholder: Any) -> Optional[Tuple[Any, str, Any]]:
+    """(partner module, its name, its offload hook) of the tied weight ``placeholder`` stands for, where a write can
+    be kept for both: the tie is a pair of offloaded modules, each the other's recorded partner, that hold this one
+    placeholder object (as in memory they hold one parameter), so both hooks serve one kept value. None otherwise."""
+    if name in module.__dict__.get(NOT_A_PAIR, ()):
+        return None
+    ref, partner_name = module.__dict__.get(PARTNERS, {}).get(name, (None, ""))
+    partner = ref() if ref is not None else None
+    if partner is None or partner_name in partner.__dict__.get(NOT_A_PAIR, ()):
+        return None
+    back_ref, back_name = partner.__dict__.get(PARTNERS, {}).get(partner_name, (None, ""))
+    if back_ref is None or back_ref() is not module or back_name != name:
+        return None
+    partner_hook = offload_hook(partner)
+    if partner_hook is None or partner._parameters.get(partner_name) is not placeholder:
+        return None
+    return partner, partner_name, partner_hook
 
 
 class Materialised:
     """The stored values of the placeholders one write touches, in CPU memory, and where to keep them."""
 
     def __init__(self) -> None:
-        self.values: Dict[int, Tuple[Any, Any, str, Any, bool]] = {}
+        self.values: Dict[int, Tuple[Any, Any, str, Any, Any]] = {}
 
     def of(self, placeholder: Any, copy: bool) -> Any:
         entry = self.values.get(id(placeholder))
         if entry is None:
             module, name, hook = owner(placeholder)
+            partner = tie_partner(module, name, placeholder) if tied_name(module, hook, name) else None
             overlay = overlay_of(hook)
             kept = overlay.kept.get(name)
             if not copy and kept is not None and kept.device.type == "cpu" and kept.dtype == placeholder.dtype \
                     and kept.shape == placeholder.shape:
-                value, own = kept, True  # written in place: a training loop writes one row per step
+                value = kept  # written in place: a training loop writes one row per step
             else:
                 value = overlay[name].detach().to(device="cpu", dtype=placeholder.dtype, copy=True)
-                own = False
-            entry = (placeholder, value, name, hook, own)
+            entry = (placeholder, value, name, hook, partner)
             self.values[id(placeholder)] = entry
         return entry[1]
 
@@ -102,8 +121,10 @@ class Materialised:
                              f"placeholder ({name}: {tuple(placeholder.shape)} {placeholder.dtype} -> "
                              f"{tuple(value.shape)} {value.dtype}); the offload hook serves the placeholder's shape. "
                              f"Replace the module (or keep it in memory with the device_map) instead.")
-        for placeholder, value, name, hook, _ in self.values.values():
+        for placeholder, value, name, hook, partner in self.values.values():
             overlay_of(hook).kept[name] = value
+            if partner is not None:  # a tied pair: both hooks serve the one kept value, as both modules hold one tensor
+                overlay_of(partner[2]).kept[partner[1]] = value
             _count_write(placeholder)
 
 
@@ -140,7 +161,11 @@ def assign(placeholder: Any, value: Any) -> None:
     if value.is_inference():  # accelerate could not make a parameter of it at the next forward: a normal copy
         with torch.inference_mode(False):
             value = value.to("cpu", copy=True)
-    overlay_of(hook).kept[name] = value.detach() if value.device.type == "cpu" else value.detach().to("cpu")
+    value = value.detach() if value.device.type == "cpu" else value.detach().to("cpu")
+    overlay_of(hook).kept[name] = value
+    partner = tie_partner(module, name, placeholder) if tied_name(module, hook, name) else None
+    if partner is not None:  # a tied pair: both hooks serve it
+        overlay_of(partner[2]).kept[partner[1]] = value
     _count_write(placeholder)
 
 

@@ -15,7 +15,9 @@ The offload hooks' ``init_hook`` and ``post_forward`` mark the placeholders they
 marked one is replayed on the stored value in CPU memory and kept in front of the hook's weights map
 (:mod:`metapatch._offload.placeholder_writes`; the user's offload folder is never written): equal to the
 in-memory model's write, and ``save_pretrained`` writes it. A write that cannot be kept (its source is itself a
-placeholder, it changes shape or dtype, the weight is tied to another module's) raises. Marking costs a class
+placeholder, it changes shape or dtype, the weight is tied to more than one other module's or to one kept in memory)
+raises; a tied pair of offloaded weights (a head tied to its input embedding) shares one placeholder, and a write
+into it is kept for both hooks, as the one tensor it is in memory. Marking costs a class
 assignment per offloaded parameter and forward; the marked class overrides ``.data`` and torch's writing and
 viewing methods (``benchmarks/RESULTS.md``).
 
@@ -81,9 +83,10 @@ def _module_of(args: tuple, kwargs: dict) -> Any:
 
 
 def _after_init_hook(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    # tied weights are one object until the hooks split them; a module kept in memory counts as a holder too
+    note_ties(_module_of(args, kwargs), instance)
     if not getattr(instance, "offload", False):
         return wrapped(*args, **kwargs)
-    note_ties(_module_of(args, kwargs), instance)  # tied weights are one object until the hooks split them
     result = wrapped(*args, **kwargs)
     mark(_module_of(args, kwargs), instance)
     return result

@@ -224,32 +224,13 @@ def test_re_pointing_an_alias_leaves_the_weight_as_in_memory(checkpoint, tmp_pat
     assert torch.equal(_logits(model), _logits(_load(checkpoint)))
 
 
-@in_range
-def test_a_write_into_a_tied_offloaded_weight_raises(tmp_path):
+def _tied_llama(tmp_path, placement):
     import accelerate
     from metapatch.selftest._models import save_tiny_llama
     from transformers import LlamaForCausalLM
 
     checkpoint = save_tiny_llama(tmp_path / "tied", tie_word_embeddings=True)
-    model = LlamaForCausalLM.from_pretrained(checkpoint).eval()
-    accelerate.cpu_offload(model, execution_device="cpu")
-    untouched = _logits(model)
-    with pytest.raises(OffloadedWriteError, match="tied"):
-        model.lm_head.weight.data[3] = torch.ones(64)
-    assert torch.equal(_logits(model), untouched)
-
-
-@in_range
-@pytest.mark.parametrize("placement", ["cpu_offload", "both-on-disk", "embedding-on-disk"])
-@pytest.mark.parametrize("written", ["lm_head", "embed_tokens"])
-def test_a_write_into_a_tied_offloaded_weight_raises_wherever_it_is(tmp_path, placement, written):
-    """A tied head and input embedding: each hook serves its own copy, so a write into one is refused (the
-    in-memory model would change both)."""
-    import accelerate
-    from metapatch.selftest._models import save_tiny_llama
-    from transformers import LlamaForCausalLM
-
-    checkpoint = save_tiny_llama(tmp_path / "tied", tie_word_embeddings=True)
+    reference = LlamaForCausalLM.from_pretrained(checkpoint).eval()
     if placement == "cpu_offload":
         model = LlamaForCausalLM.from_pretrained(checkpoint).eval()
         accelerate.cpu_offload(model, execution_device="cpu")
@@ -258,12 +239,108 @@ def test_a_write_into_a_tied_offloaded_weight_raises_wherever_it_is(tmp_path, pl
                       "model.norm": "cpu", "lm_head": "disk" if placement == "both-on-disk" else "cpu"}
         model = LlamaForCausalLM.from_pretrained(checkpoint, device_map=device_map,
                                                  offload_folder=str(tmp_path / "offload")).eval()
-    untouched = _logits(model)
-    module = model.lm_head if written == "lm_head" else model.model.embed_tokens
-    assert module.weight.is_meta
-    with pytest.raises(OffloadedWriteError, match="tied"):
-        module.weight.data[3] = torch.ones(64)
-    assert torch.equal(_logits(model), untouched)
+    assert model.lm_head.weight.is_meta and model.model.embed_tokens.weight.is_meta
+    return reference, model
+
+
+TIED_WRITES = {
+    "data-row": lambda w: w.data.__setitem__(3, torch.ones(64)),
+    "no-grad-mul": lambda w: w.mul_(0.5),
+    "data-assigned": lambda w: setattr(w, "data", torch.full((128, 64), 0.03)),
+    "init-normal": lambda w: (torch.manual_seed(0), torch.nn.init.normal_(w)),
+}
+
+
+@in_range
+@pytest.mark.parametrize("write", sorted(TIED_WRITES))
+@pytest.mark.parametrize("placement", ["cpu_offload", "both-on-disk", "embedding-on-disk"])
+@pytest.mark.parametrize("written", ["lm_head", "embed_tokens"])
+def test_a_write_into_a_tied_offloaded_pair_reaches_both_copies_as_in_memory(tmp_path, placement, written, write):
+    """A tied head and input embedding, both offloaded: in memory one parameter, so a write into either changes both
+    (textual inversion on a tied-embedding model); here both hooks serve the one kept value."""
+    reference, model = _tied_llama(tmp_path, placement)
+    untouched = _logits(reference)
+    for m in (reference, model):
+        module = m.lm_head if written == "lm_head" else m.model.embed_tokens
+        with torch.no_grad():
+            TIED_WRITES[write](module.weight)
+    expected = _logits(reference)
+    assert not torch.equal(expected, untouched), "the write changed nothing: vacuous"
+    assert torch.equal(reference.lm_head.weight, reference.model.embed_tokens.weight)  # one tensor in memory
+    assert torch.equal(_logits(model), expected)
+    assert torch.equal(_logits(model), expected)  # served again after the next offload
+    with torch.no_grad():  # and a second write after forwards split and re-shared the placeholders
+        for m in (reference, model):
+            m.model.embed_tokens.weight[5].fill_(0.25)
+    assert torch.equal(_logits(model), _logits(reference))
+
+
+@in_range
+def test_a_write_into_a_tied_offloaded_pair_is_saved_as_in_memory(tmp_path):
+    from transformers import LlamaForCausalLM
+
+    reference, model = _tied_llama(tmp_path, "both-on-disk")
+    for m in (reference, model):
+        m.lm_head.weight.data[7] = torch.linspace(-1, 1, 64)
+    for m, folder in ((reference, "saved-reference"), (model, "saved-offloaded")):
+        m.save_pretrained(tmp_path / folder)
+    reloaded = {folder: LlamaForCausalLM.from_pretrained(tmp_path / folder).eval()
+                for folder in ("saved-reference", "saved-offloaded")}
+    assert torch.equal(_logits(reloaded["saved-offloaded"]), _logits(reloaded["saved-reference"]))
+    assert torch.equal(_logits(reloaded["saved-offloaded"]), _logits(reference))
+
+
+class _TiedLinears(torch.nn.Module):
+    def __init__(self, count):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(count))
+        for layer in self.layers[1:]:
+            layer.weight = self.layers[0].weight
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _weights_map(module):
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+@in_range
+@pytest.mark.parametrize("tie", ["three-offloaded", "memory-holder-first", "offloaded-first"])
+def test_a_write_into_a_tie_metapatch_cannot_follow_raises(tie):
+    """A tie of three offloaded modules (a pair's record cannot name every copy), or one whose other member stays in
+    memory (its tensor is not the store's): the write raises and nothing is kept. Before, a write into the offloaded
+    member of a tie with an in-memory module was kept for that member only: the two copies differed, silently."""
+    import accelerate
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 8)
+    if tie == "three-offloaded":
+        model = _TiedLinears(3)
+        accelerate.cpu_offload(model, execution_device="cpu")
+        written = model.layers[1]
+    else:
+        model = _TiedLinears(2)
+
+        def in_memory():
+            add_hook_to_module(model.layers[0], AlignDevicesHook(execution_device="cpu", place_submodules=True))
+
+        def offloaded():
+            add_hook_to_module(model.layers[1], AlignDevicesHook(execution_device="cpu", offload=True,
+                                                                 weights_map=_weights_map(model.layers[1])))
+
+        for attach in ((in_memory, offloaded) if tie == "memory-holder-first" else (offloaded, in_memory)):
+            attach()
+        written = model.layers[1]
+    assert written.weight.is_meta
+    with torch.no_grad():
+        untouched = model(x)
+        with pytest.raises(OffloadedWriteError, match="tied"):
+            written.weight.mul_(2.0)
+        assert torch.equal(model(x), untouched)
 
 
 @in_range
@@ -592,9 +669,12 @@ def test_a_deep_copy_of_a_tied_offloaded_model_never_shares_the_original_s_place
     _logits(duplicate)
     originals = {id(p) for p in model.parameters()}
     assert not any(id(p) in originals for p in duplicate.parameters())
-    with pytest.raises(OffloadedWriteError, match="tied"):
-        duplicate.model.embed_tokens.weight.data[3] = torch.ones(64)
+    untouched = _logits(reference)
+    for m in (reference, duplicate):  # the copy's tied pair takes the write on both sides; the original none
+        m.model.embed_tokens.weight.data[3] = torch.ones(64)
+    assert not torch.equal(_logits(reference), untouched)
     assert torch.equal(_logits(duplicate), _logits(reference))
+    assert torch.equal(_logits(model), untouched)
 
 
 @in_range
