@@ -103,13 +103,8 @@ def base_layer_of(module: Any) -> Any:
 
 def execution_device(module: Any) -> Optional[Any]:
     """Where an offloaded base layer runs, or None when it is not offloaded."""
-    import torch
-
     hook = offload_hook(base_layer_of(module))
-    if hook is None:
-        return None
-    device = hook.execution_device
-    return torch.device(device if not isinstance(device, int) else f"cuda:{device}")
+    return hook_state.compute_device(hook) if hook is not None else None
 
 
 def _is_on_meta(base_layer: Any) -> bool:

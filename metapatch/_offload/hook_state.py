@@ -107,6 +107,17 @@ def offload_hook(module: Any) -> Optional[Any]:
     return next((h for h in offload_hooks(module) if h.weights_map is not None), None)
 
 
+def compute_device(hook: Any) -> Any:
+    """The ``torch.device`` ``hook`` loads its module's tensors onto for a forward: where the in-memory model would
+    hold them (accelerate names GPU ``i`` by the int ``i``; the CPU where the hook names none)."""
+    import torch
+
+    device = getattr(hook, "execution_device", None)
+    if device is None:
+        return torch.device("cpu")
+    return torch.device(f"cuda:{device}" if isinstance(device, int) else device)
+
+
 class Located(NamedTuple):
     """Where one key of a weights map is held."""
 

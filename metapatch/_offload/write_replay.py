@@ -2,8 +2,10 @@
 
 A marked placeholder (:mod:`metapatch._offload.placeholder_writes`) stands for ``(module, name)`` of a hook's
 weights map. A write into it (an aten op through its ``PlaceholderData``, ``weight.data = t``, a dtype conversion,
-a ``torch.nn.init`` call run on the stored value) is replayed here: the stored value is copied into CPU memory
-once (:class:`Materialised`), written there, and kept in the hook's :class:`~metapatch._offload.store.Overlay`,
+a ``torch.nn.init`` call run on the stored value) is replayed here: the stored value is copied onto the hook's
+execution device, where the in-memory weight is (:class:`Materialised`: a random write draws from that device's
+generator, the program's other operands stay where it put them), written there, and kept in CPU memory in the
+hook's :class:`~metapatch._offload.store.Overlay`,
 which the next forward and ``save_pretrained`` read; or refused with
 :class:`~metapatch._offload.offloaded_weights.OffloadedWriteError` (a meta source, a change of shape or dtype, a
 tied weight, a placeholder its module no longer holds), keeping nothing. The torch classes that route writes here
@@ -18,7 +20,7 @@ import weakref
 from typing import Any, Dict, Optional, Tuple
 
 from metapatch._framework.records import MetapatchError
-from metapatch._offload.hook_state import offload_hook
+from metapatch._offload.hook_state import compute_device, offload_hook
 from metapatch._offload.offloaded_weights import OffloadedWriteError
 from metapatch._offload.store import NOT_A_PAIR, convert, overlay_of, tied_name
 
@@ -93,7 +95,8 @@ def tie_partner(module: Any, name: str, placeholder: Any) -> Optional[Tuple[Any,
 
 
 class Materialised:
-    """The stored values of the placeholders one write touches, in CPU memory, and where to keep them."""
+    """The stored values of the placeholders one write touches, on their hooks' execution devices, and where to keep
+    them (in CPU memory)."""
 
     def __init__(self) -> None:
         self.values: Dict[int, Tuple[Any, Any, str, Any, Any]] = {}
@@ -105,11 +108,14 @@ class Materialised:
             partner = tie_partner(module, name, placeholder) if tied_name(module, hook, name) else None
             overlay = overlay_of(hook)
             kept = overlay.kept.get(name)
-            if not copy and kept is not None and kept.device.type == "cpu" and kept.dtype == placeholder.dtype \
+            # The write runs where the in-memory weight is, the hook's execution device: a random one draws from that
+            # device's generator, with the program's other operands where it put them, as in memory.
+            device = compute_device(hook)
+            if not copy and kept is not None and kept.device == device and kept.dtype == placeholder.dtype \
                     and kept.shape == placeholder.shape:
                 value = kept  # written in place: a training loop writes one row per step
             else:
-                value = overlay[name].detach().to(device="cpu", dtype=placeholder.dtype, copy=True)
+                value = overlay[name].detach().to(device=device, dtype=placeholder.dtype, copy=True)
             entry = (placeholder, value, name, hook, partner)
             self.values[id(placeholder)] = entry
         return entry[1]
@@ -122,6 +128,8 @@ class Materialised:
                              f"{tuple(value.shape)} {value.dtype}); the offload hook serves the placeholder's shape. "
                              f"Replace the module (or keep it in memory with the device_map) instead.")
         for placeholder, value, name, hook, partner in self.values.values():
+            if value is not overlay_of(hook).kept.get(name) and value.device.type != "cpu":
+                value = value.to("cpu")  # kept in CPU memory, as the stored value was
             overlay_of(hook).kept[name] = value
             if partner is not None:  # a tied pair: both hooks serve the one kept value, as both modules hold one tensor
                 overlay_of(partner[2]).kept[partner[1]] = value
@@ -148,8 +156,9 @@ def converted(placeholder: Any) -> None:
 
 def assign(placeholder: Any, value: Any) -> None:
     """``weight.data = value`` on a marked placeholder: in memory the parameter takes ``value``'s storage (it
-    aliases it); here ``value`` (a CPU tensor as it is, so later writes into it show as in memory; another device's
-    copied to CPU) is kept for the hook to serve. Another shape or dtype would change the parameter: refused."""
+    aliases it); here ``value`` itself, on its device, is kept for the hook to serve (as a replaced weight is,
+    :mod:`metapatch._offload.replaced_weights`), so later writes into it, or into the weight, show as in memory.
+    Another shape or dtype would change the parameter: refused."""
     module, name, hook = owner(placeholder)
     if value.shape != placeholder.shape or value.dtype != placeholder.dtype:
         raise write_error(f"metapatch: {describe(module, name)}.data = a tensor of another shape or dtype "
@@ -160,8 +169,8 @@ def assign(placeholder: Any, value: Any) -> None:
 
     if value.is_inference():  # accelerate could not make a parameter of it at the next forward: a normal copy
         with torch.inference_mode(False):
-            value = value.to("cpu", copy=True)
-    value = value.detach() if value.device.type == "cpu" else value.detach().to("cpu")
+            value = value.clone()
+    value = value.detach()
     overlay_of(hook).kept[name] = value
     partner = tie_partner(module, name, placeholder) if tied_name(module, hook, name) else None
     if partner is not None:  # a tied pair: both hooks serve it
@@ -200,14 +209,12 @@ def replay_write(func: Any, args: tuple, kwargs: dict, data_cls: Any) -> Any:
             for step, rest, kw in value._chain:
                 view = step(view, *rest, **kw)
             return view
-        if isinstance(value, torch.Tensor):
-            if value.is_meta:
-                raise write_error("metapatch: a write into an offloaded weight's placeholder from a tensor on the meta "
-                             "device (itself a placeholder, or computed from one): its values are unknown here. "
-                             "Read the value inside a forward, or from the in-memory model.")
-            # every operand on another device comes to the stored value's, a 0-dim one too: torch lets a CPU
-            # scalar into a CUDA kernel, not a CUDA scalar (``w.mul_(norm)``, ``w.data[i_on_gpu] = v``) into a CPU one
-            return value.to("cpu") if value.device.type != "cpu" else value
+        if isinstance(value, torch.Tensor) and value.is_meta:
+            raise write_error("metapatch: a write into an offloaded weight's placeholder from a tensor on the meta "
+                         "device (itself a placeholder, or computed from one): its values are unknown here. "
+                         "Read the value inside a forward, or from the in-memory model.")
+        # the program's operands stay where it put them (a GPU scale, a CPU row): the stored value is on the execution
+        # device, where the in-memory weight is (Materialised), so the op meets the devices it meets in memory
         return value
 
     # Outside inference mode: a value copied under it would be an inference tensor, which accelerate cannot make
@@ -220,7 +227,7 @@ def replay_write(func: Any, args: tuple, kwargs: dict, data_cls: Any) -> Any:
 
 def replay_call(function: Any, frame: Any, placeholder: Any) -> None:
     """Call ``function`` with the arguments ``frame`` (its own call, stopped at its first line's meta check) was
-    given, ``placeholder`` replaced by its stored value in CPU memory, and keep the value."""
+    given, ``placeholder`` replaced by its stored value on the hook's execution device, and keep the value."""
     import torch
 
     code = frame.f_code

@@ -12,7 +12,8 @@ re-initialising a head after ``from_pretrained(device_map=...)`` calls ``torch.n
 computes with the old values, with no error.
 
 The offload hooks' ``init_hook`` and ``post_forward`` mark the placeholders they create, and every write into a
-marked one is replayed on the stored value in CPU memory and kept in front of the hook's weights map
+marked one is replayed on the stored value, copied onto the hook's execution device (where the in-memory weight is:
+a random write draws from that device's generator), and kept in CPU memory in front of the hook's weights map
 (:mod:`metapatch._offload.placeholder_writes`; the user's offload folder is never written): equal to the
 in-memory model's write, and ``save_pretrained`` writes it. A write that cannot be kept (its source is itself a
 placeholder, it changes shape or dtype, the weight is tied to more than one other module's or to one kept in memory)
@@ -42,8 +43,8 @@ between forwards (a BatchNorm recalibration starts with it) reaches the store.
 torch's in-place *functions* given the placeholder write it as its methods do (``torch.relu_(w)``,
 ``torch.add(a, b, out=w)``, ``torch._foreach_mul_`` over a parameter list, each placeholder's entry on its own),
 and so do the ``torch.nn.init`` functions that since torch 2.13 return at once on a meta tensor (``trunc_normal_``,
-``orthogonal_``, ``dirac_``, ``sparse_``: run on the stored value in CPU memory, so a random one draws from the CPU
-generator where the in-memory weight would be on a GPU: the same distribution, other numbers). A ``state_dict()``
+``orthogonal_``, ``dirac_``, ``sparse_``: run on the stored value on the execution device, so a random one draws
+the in-memory weight's numbers from that device's generator). A ``state_dict()``
 entry of a placeholder aliases it, as in memory (``model.state_dict()[k].copy_(v)``); one taken before a forward
 (which puts new placeholders in place) raises. The marked class's ``__torch_function__`` calls torch's disabled
 override directly; while the hook loads the values (``pre_forward``) each placeholder is of a quiet sibling class

@@ -95,7 +95,8 @@ def _learn_token(model: Any) -> None:
 
 def _edit_in_place(model: Any) -> None:
     """In-place edits under ``no_grad``, some with operands on the execution device, as a GPU program computes them
-    (a 0-dim scale, an index tensor, a row): the offloaded weight's stored value is in CPU memory."""
+    (a 0-dim scale, an index tensor, a row), and a seeded random init (drawn from the execution device's generator
+    in memory): the offloaded weight's stored value is in CPU memory."""
     import torch
 
     device = execution_device()
@@ -107,6 +108,8 @@ def _edit_in_place(model: Any) -> None:
         model.model.layers[3].self_attn.k_proj.weight.mul_(torch.tensor(0.75, device=device))
         model.lm_head.weight.data[torch.tensor(7, device=device)] = torch.full(
             (model.config.hidden_size,), -0.25, device=device)
+        torch.manual_seed(0)  # a seeded random init: the in-memory weight's numbers come from the device's generator
+        torch.nn.init.normal_(model.model.layers[3].mlp.up_proj.weight, std=0.05)
 
 
 def _replace(model: Any) -> None:
