@@ -104,6 +104,8 @@ class Materialised:
     def of(self, placeholder: Any, copy: bool) -> Any:
         entry = self.values.get(id(placeholder))
         if entry is None:
+            import torch
+
             module, name, hook = owner(placeholder)
             partner = tie_partner(module, name, placeholder) if tied_name(module, hook, name) else None
             overlay = overlay_of(hook)
@@ -111,6 +113,8 @@ class Materialised:
             # The write runs where the in-memory weight is, the hook's execution device: a random one draws from that
             # device's generator, with the program's other operands where it put them, as in memory.
             device = compute_device(hook)
+            if device.type == "meta":  # a hook that computes nothing (accelerate's meta execution device)
+                device = torch.device("cpu")
             if not copy and kept is not None and kept.device == device and kept.dtype == placeholder.dtype \
                     and kept.shape == placeholder.shape:
                 value = kept  # written in place: a training loop writes one row per step
