@@ -15,9 +15,11 @@ serves the stored fp32 value, skipping the bf16 rounding the in-memory model kee
 
 After transformers' dispatch (``accelerate_dispatch``), this patch puts a ``to`` in front of accelerate's
 guard that lets through calls that move nothing (no device, or the device every tensor and every offload
-hook already uses) as a pure dtype / memory-format conversion, and hands every real device move to
-accelerate's guard, which refuses it as before; ``half``/``float``/``bfloat16``/``double`` get the same
-conversion bookkeeping. Each conversion records, in the offload store (:func:`metapatch._offload.store.
+hook already uses) as a pure dtype / memory-format conversion, and refuses every real device move with
+``offloaded-move-guard``'s ``MetapatchError`` naming the offloaded weights (a ``RuntimeError`` too, as
+accelerate's refusal was; a move to meta is still accelerate's guard's); ``half``/``float``/``bfloat16``/``double``
+get the same conversion bookkeeping. On a GPU machine accelerate guards ``model.cuda`` the same way: it moves
+nothing and returns the model where every tensor and hook is on that GPU already, as in memory. Each conversion records, in the offload store (:func:`metapatch._offload.store.
 conversion`), the dtype every offloaded tensor whose placeholder it converted was converted to; the hook's
 weights map (an ``Overlay``) then serves ``stored.to(d1).to(d2)...`` per read, one tensor at a time, so
 logits, ``save_pretrained`` and ``state_dict()`` dtypes equal the in-memory model's. Nothing is loaded as a
@@ -37,6 +39,7 @@ from metapatch._framework.calls import signature_of
 from metapatch._offload.hook_state import offload_hooks
 from metapatch._offload.store import conversion
 from metapatch._framework.records import Patch, Target, Upstream
+from metapatch.patches.offloaded_move_guard import refuse_offloaded_move
 
 PATCH_ID = "offloaded-dtype-conversion"
 _MARK = "_metapatch_conversion_to"
@@ -97,7 +100,11 @@ class _ConversionTo(_OnModel):
         except Exception:
             return guard(*args, **kwargs)  # bad arguments: accelerate/torch raise their own error
         if device is not None and not _moves_nothing(self.model, device):
-            return guard(*args, **kwargs)  # a real move: refused as upstream
+            # a real move: refused with metapatch's error naming the offloaded weights (a MetapatchError, and a
+            # RuntimeError as accelerate's refusal is); a move to meta, or with nothing offloaded any more, is
+            # accelerate's guard's to decide
+            refuse_offloaded_move(self.model, "to", args, kwargs, str(device), PATCH_ID)
+            return guard(*args, **kwargs)
         convert = {}
         if dtype is not None:
             convert["dtype"] = dtype
@@ -107,6 +114,29 @@ class _ConversionTo(_OnModel):
             return self.model
         with conversion(self.model):
             return type(self.model).to(self.model, **convert)
+
+
+class _AcceleratorMove(_OnModel):
+    """``model.cuda()`` (and the other accelerators' methods), which accelerate's dispatch guards as it guards ``to``:
+    where every tensor in memory and every offload hook is on that device already it moves nothing and returns the
+    model, as in memory; a real move is refused with metapatch's error (upstream: accelerate's ``RuntimeError``)."""
+
+    def __init__(self, model: Any, wrapped: Any, kind: str) -> None:
+        super().__init__(model, wrapped)
+        self.kind = kind
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        torch = sys.modules["torch"]
+        index = args[0] if args else kwargs.get("device")
+        try:
+            device = torch.device(self.kind) if index is None else (
+                torch.device(self.kind, index) if isinstance(index, int) else torch.device(index))
+        except Exception:
+            return self.__wrapped__(*args, **kwargs)  # bad arguments: accelerate/torch raise their own error
+        if _moves_nothing(self.model, device):
+            return self.model
+        refuse_offloaded_move(self.model, self.kind, args, kwargs, str(device), PATCH_ID)
+        return self.__wrapped__(*args, **kwargs)
 
 
 class _Converting(_OnModel):
@@ -136,6 +166,10 @@ def install_on(model: Any) -> None:
     if guard is None or getattr(guard, _MARK, False) or getattr(guard, "__wrapped__", None) is None:
         return  # not dispatched with offload (accelerate added no guard), or already done
     model.__dict__["to"] = conversion_to(model, guard)
+    for method, guarded in list(model.__dict__.items()):  # model.cuda() where accelerate guards it (a GPU machine)
+        if method != "to" and getattr(guarded, "_accelerate_added_attribute", False) \
+                and not getattr(guarded, _MARK, False) and callable(getattr(type(model), method, None)):
+            model.__dict__[method] = _AcceleratorMove(model, guarded, method)
     for method in _CONVERSIONS:
         if method not in model.__dict__ and callable(getattr(type(model), method, None)):
             model.__dict__[method] = converting(model, method)

@@ -25,6 +25,7 @@ tensor" error, as without the guard: the cache never lets through a move that wo
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import weakref
 from typing import Any, Callable, List, Optional, Tuple
@@ -207,10 +208,11 @@ def _collapsed_names(root: Any, offloaded: List[Tuple[str, Any, Any]]) -> List[s
 def _caller() -> str:
     """The first frame outside torch.nn and this module: who asked for the move."""
     frame = sys._getframe(2)
-    here = __file__.rstrip("c")
+    patches = os.path.dirname(__file__.rstrip("c"))  # this guard, or a patch that refuses through it
     while frame is not None:
         filename = frame.f_code.co_filename
-        outside = filename != here and not filename.replace("\\", "/").endswith("torch/nn/modules/module.py")
+        outside = os.path.dirname(filename) != patches and not filename.replace("\\", "/").endswith(
+            "torch/nn/modules/module.py")
         if outside and frame.f_code.co_name not in _DEVICES:  # skip subclass overrides of .to/.cuda
             parts = filename.replace("\\", "/").split("/")
             short = "/".join(parts[-2:])
@@ -219,7 +221,8 @@ def _caller() -> str:
     return "unknown"
 
 
-def _refusal(root: Any, call: str, device: str, offloaded: List[Tuple[str, Any, Any]]) -> OffloadedMoveError:
+def _refusal(root: Any, call: str, device: str, offloaded: List[Tuple[str, Any, Any]],
+             patch_id: str = PATCH_ID) -> OffloadedMoveError:
     names = _collapsed_names(root, offloaded)
     shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
     places = sorted({storage(hook) for _, _, hook in offloaded})
@@ -231,15 +234,23 @@ def _refusal(root: Any, call: str, device: str, offloaded: List[Tuple[str, Any, 
         f"What to do: choose the placement when loading, e.g. from_pretrained(..., device_map=\"{device}\") "
         f"when the model fits there, or device_map=\"auto\" with max_memory=...; to run the model, move "
         f"only the inputs: inputs.to(model.device). Do not use to_empty(): it would discard the offloaded "
-        f"weights.\n(called from {_caller()}; raised by metapatch patch {PATCH_ID!r}, "
-        f"METAPATCH_DISABLE={PATCH_ID} turns it off)")
+        f"weights.\n(called from {_caller()}; raised by metapatch patch {patch_id!r}, "
+        f"METAPATCH_DISABLE={patch_id} turns it off)")
 
 
-def _refuse_if_offloaded(module: Any, method: str, args: tuple, kwargs: dict, device: str) -> None:
+def _refuse_if_offloaded(module: Any, method: str, args: tuple, kwargs: dict, device: str,
+                         patch_id: str = PATCH_ID) -> None:
     if device.startswith("meta") or "accelerate.hooks" not in sys.modules or not _any_offloaded(module):
         return  # moving to meta never needs the data
     call = f"{method}({_call_args(args, kwargs)})"
-    raise _refusal(module, call, device, _offloaded_modules(module))
+    raise _refusal(module, call, device, _offloaded_modules(module), patch_id)
+
+
+def refuse_offloaded_move(module: Any, method: str, args: tuple, kwargs: dict, device: str, patch_id: str) -> None:
+    """Raise :class:`OffloadedMoveError` (this guard's refusal, naming ``patch_id``) when moving ``module`` to
+    ``device`` would need weights accelerate offloaded: for a patch that stands in front of accelerate's own guard
+    (``offloaded-dtype-conversion``), whose plain ``RuntimeError`` names neither the weights nor what to do."""
+    _refuse_if_offloaded(module, method, args, kwargs, device, patch_id)
 
 
 def _guard(method: str, target_device: Callable[[tuple, dict], Optional[str]]) -> Callable[[Any], Any]:

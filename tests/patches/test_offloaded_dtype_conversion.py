@@ -49,6 +49,43 @@ def test_a_real_move_is_still_refused(tmp_path):
 
 
 @pytest.mark.skipif(not AFFECTED, reason=f"not affected here: {WHY}")
+def test_a_real_move_to_another_device_is_metapatchs_refusal(tmp_path):
+    """A move that would need the offloaded head's values (to a GPU, from this model's CPU execution device): a
+    MetapatchError naming the offloaded weights and what to do; still a RuntimeError, as accelerate's refusal was."""
+    from metapatch.selftest._models import input_ids
+
+    model = _dispatched(tmp_path, offload=True)
+    with torch.no_grad():
+        before = model(input_ids()).logits
+    with pytest.raises(metapatch.MetapatchError, match="lm_head") as refused:
+        model.to("cuda:0", torch.float16)
+    assert isinstance(refused.value, RuntimeError) and PATCH.id in str(refused.value)
+    assert model.lm_head.weight.is_meta and model.lm_head.weight.dtype == torch.float32  # nothing converted
+    with torch.no_grad():
+        assert torch.equal(model(input_ids()).logits, before)
+
+
+@pytest.mark.gpu(count=1)
+@pytest.mark.skipif(not AFFECTED, reason=f"not affected here: {WHY}")
+def test_cuda_on_a_model_computing_on_gpu_0_moves_nothing_as_in_memory(tmp_path):
+    """accelerate guards ``model.cuda`` on a GPU machine as it guards ``to``: on a model whose every tensor in memory
+    and every hook is on GPU 0 it is a no-op in memory, and here; a move to another device is metapatch's refusal."""
+    from metapatch.selftest._models import input_ids, save_tiny_llama
+    from transformers import AutoModelForCausalLM
+
+    checkpoint = save_tiny_llama(tmp_path / "ckpt", num_hidden_layers=2)
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, device_map={"": 0}).eval()
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, device_map={"model": 0, "lm_head": "disk"},
+                                                 offload_folder=str(tmp_path / "offload")).eval()
+    assert model.lm_head.weight.is_meta
+    assert model.cuda() is model and model.cuda(0) is model
+    with torch.no_grad():
+        assert torch.equal(model(input_ids().to(0)).logits, reference(input_ids().to(0)).logits)
+    with pytest.raises(metapatch.MetapatchError, match="lm_head"):
+        model.to("cpu")
+
+
+@pytest.mark.skipif(not AFFECTED, reason=f"not affected here: {WHY}")
 def test_memory_format_and_no_argument_calls_convert_in_place(tmp_path):
     model = _dispatched(tmp_path, offload=True)
     assert model.to(memory_format=torch.channels_last) is model
