@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from collections.abc import Mapping
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from metapatch._framework.records import MetapatchError
@@ -184,9 +185,23 @@ def _buffers_by_config(model: Any, dtype: Any) -> Optional[Dict[str, Any]]:
     return {q: t for q, _, _, t in non_persistent(built)}
 
 
-def refill(model: Any, pending: List[Pending], how: str) -> int:
+def _mapped_device(device_map: Optional[Mapping[str, Any]], qualname: str) -> Any:
+    """Where ``device_map`` (a loader's map) puts the tensor ``qualname``, as the in-memory model would hold it: its
+    device (accelerate names GPU ``i`` by the int ``i``); the CPU for "cpu"/"disk" entries and without a map."""
+    from metapatch._offload.tied_placement import entry_of
+
+    key = entry_of(device_map, qualname) if isinstance(device_map, Mapping) else None
+    value = device_map[key] if key is not None else "cpu"
+    if isinstance(value, int):
+        return f"cuda:{value}"
+    return "cpu" if str(value) in ("cpu", "disk", "meta") else value
+
+
+def refill(model: Any, pending: List[Pending], how: str, device_map: Optional[Mapping[str, Any]] = None) -> int:
     """Give each unset buffer in ``pending`` its constructor's value; ``MetapatchError`` naming the
-    buffers that cannot be recomputed. ``how`` says what left them unset (for the message)."""
+    buffers that cannot be recomputed. ``how`` says what left them unset (for the message). A buffer still on meta
+    gets a new tensor where ``device_map`` puts it (the loader's map: ``{"": 0}`` is GPU 0, as the in-memory model
+    holds it); one the loader materialised is written in place, where it is."""
     import torch
 
     left = unset(pending)
@@ -218,7 +233,7 @@ def refill(model: Any, pending: List[Pending], how: str) -> int:
             continue
         value = value.to(dtype=tensor.dtype)
         if tensor.is_meta:
-            owner._buffers[name] = value
+            owner._buffers[name] = value.to(_mapped_device(device_map, qualname))
         else:
             with torch.no_grad():
                 tensor.copy_(value)

@@ -196,8 +196,8 @@ def _changed(before: Tuple[Any, int, Optional[int], Any, Any, Optional[Any]], no
     import torch
 
     tensor, pointer, version, shape, dtype, copy = before
-    if now.is_meta or now.shape != shape or now.dtype != dtype:
-        return True
+    if now.is_meta or now.shape != shape or now.dtype != dtype or now.device != tensor.device:
+        return True  # (moved to another device: torch.equal would refuse to compare across devices)
     if copy is not None:
         return not torch.equal(now, copy)
     return now is not tensor or now.data_ptr() != pointer or (

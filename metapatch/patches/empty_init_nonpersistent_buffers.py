@@ -120,7 +120,8 @@ def _load_checkpoint_in_model(wrapped: Any, instance: Any, args: tuple, kwargs: 
     from metapatch._offload.buffer_rebuild import record, refill
 
     pending = [*_EMPTIED.pop(model, []), *record(model, only_meta=True)]
-    refill(model, pending, "init_empty_weights and load_checkpoint_in_model")
+    # a buffer still on meta goes where the map puts it (the in-memory model holds it with its module: {"": 0} is GPU 0)
+    refill(model, pending, "init_empty_weights and load_checkpoint_in_model", bound.arguments.get("device_map"))
     return result
 
 

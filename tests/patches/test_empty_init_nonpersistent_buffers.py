@@ -82,6 +82,29 @@ def test_plain_module_built_empty_is_refilled_from_its_constructor(tmp_path):
         assert torch.equal(empty(x), reference(x))
 
 
+@pytest.mark.parametrize("device_map, expected", [
+    ({"": 0}, "cuda:0"), ({"proj": 1, "table": 0}, "cuda:0"), ({"proj": "cpu", "table": "disk"}, "cpu"),
+    ({"table.inv_freq": "cuda:1", "": "cpu"}, "cuda:1"), (None, "cpu"), ("auto", "cpu")])
+def test_a_buffer_left_on_meta_is_rebuilt_where_the_map_puts_it(device_map, expected):
+    """load_checkpoint_in_model without a dispatch: the in-memory model holds the buffer where the map puts its module
+    (a GPU index is that GPU; cpu and disk entries, or no map, are the CPU)."""
+    assert str(buffer_rebuild._mapped_device(device_map, "table.inv_freq")) == expected
+
+
+@pytest.mark.gpu(count=1)
+def test_a_buffer_left_on_meta_goes_to_gpu_0_with_its_module(tmp_path):
+    from accelerate import init_empty_weights, load_checkpoint_in_model
+
+    reference = _save_plain(tmp_path).to(0)
+    with init_empty_weights(include_buffers=True):
+        empty = _Plain(16, base=50.0)
+    load_checkpoint_in_model(empty, str(tmp_path / "model.safetensors"), device_map={"": 0})
+    assert empty.table.inv_freq.device == torch.device("cuda:0")
+    x = torch.randn(2, 16, device=0)
+    with torch.no_grad():
+        assert torch.equal(empty(x), reference(x))
+
+
 def test_uncaptured_constructor_is_refused_by_name(tmp_path):
     """A meta buffer whose module was built outside init_empty_weights (nothing recorded) and a model
     without a config: MetapatchError naming it, not the raw meta error at dispatch."""
