@@ -113,7 +113,9 @@ def _place_tensors(model: Any, device_map: Dict[str, Any], sources: Dict[str, An
         elif str(where) == "disk" and offload_dir is not None:
             new_disk[name] = tensor
         else:
-            weights.add_tensor(name, tensor.detach())
+            # offloaded from now on: held in CPU memory, as accelerate's store is (a tensor on a GPU would keep its
+            # GPU memory; on the CPU this is the tensor itself)
+            weights.add_tensor(name, tensor.detach().to("cpu"))
             if str(where) == "disk" and not is_adapter:
                 kept_in_memory.append(name)
     if full:
