@@ -168,8 +168,9 @@ WRITE_TARGETS = ("model.embed_tokens.weight", "model.layers.1.mlp.down_proj.weig
 
 
 def _parameter(model: Any, target: str) -> Any:
-    """``target`` of ``model`` or of the base model a PeftModel wraps (a tuner layer's ``base_layer``)."""
-    for name, param in model.named_parameters():
+    """``target`` of ``model`` or of the base model a PeftModel wraps (a tuner layer's ``base_layer``); a tied head
+    too (listed under its own name: the one tensor it shares with the embedding)."""
+    for name, param in model.named_parameters(remove_duplicate=False):
         plain = name.replace("base_model.model.", "", 1).replace(".base_layer.", ".")
         if plain == target:
             return param

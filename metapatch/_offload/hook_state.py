@@ -13,6 +13,8 @@ of its loader). Here each answer is written once:
   ``PrefixedDataset``, ``OffloadedWeightsLoader`` and metapatch's ``Overlay``, without loading it
   (``Mapping.__contains__`` of accelerate's loader would read the file);
 * :func:`storage`: "disk", "cpu" or "the offload store" for an offload hook;
+* :func:`compute_device`: the ``torch.device`` a hook loads its module's tensors onto (accelerate's int ``i`` is
+  GPU ``i``), where the in-memory model holds them;
 * :func:`attached_hook`, :func:`hooked` (``hooked_as_accelerate_asks``: ``hasattr``, as accelerate asks),
   :func:`weights_map_of`: the raw reads everyone else makes through here, and the two writes metapatch
   makes to a hook's state, :func:`attach` (a ``SequentialHook`` in place of the attached hook) and
