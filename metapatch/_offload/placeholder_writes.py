@@ -46,8 +46,8 @@ from metapatch._offload.placeholder_quiet import LOUD, QUIET
 from metapatch._offload.store import NOT_A_PAIR, TIED_MARK
 from metapatch._offload.write_replay import PARTNERS, SLOT
 
-# [WeakIdKeyDictionary: tensor -> [(weakref to a module holding it when its hook was attached, name, offloaded)]],
-# built on first use
+# [WeakIdKeyDictionary: tensor -> [(weakref to a hooked module holding it when its hook was attached, its name there,
+# whether that hook offloads, weakref to the module whose _parameters hold it, the local name)]], built on first use
 _SEEN: List[Any] = []
 
 
@@ -68,11 +68,17 @@ def note_ties(module: Any, hook: Any) -> None:
     for name, tensor in list(named):
         if tensor is None:
             continue
-        holders = [(ref(), held, offloaded) for ref, held, offloaded in seen.get(tensor, ())]
-        holders = [(other, held, offloaded) for other, held, offloaded in holders
-                   if other is not None and other is not module]
-        seen[tensor] = [(weakref.ref(other), held, offloaded) for other, held, offloaded in holders] + \
-            [(weakref.ref(module), name, offloading)]
+        slot = _slot_of(module, name)
+        records = []
+        for ref, held, offloaded, slot_ref, slot_local in seen.get(tensor, ()):
+            other, slot_owner = ref(), slot_ref()
+            # the very slot seen again (through a block's hook, then its own; a model dispatched again) is no tie
+            if other is not None and slot_owner is not None and (slot_owner, slot_local) != slot:
+                records.append((other, held, offloaded, slot_owner, slot_local))
+        seen[tensor] = [(weakref.ref(other), held, offloaded, weakref.ref(owner), local)
+                        for other, held, offloaded, owner, local in records] + \
+            [(weakref.ref(module), name, offloading, weakref.ref(slot[0]), slot[1])]
+        holders = [(other, held, offloaded) for other, held, offloaded, _, _ in records]
         if not holders:
             continue
         first_offloaded = next(((other, held) for other, held, offloaded in holders if offloaded), None)
@@ -82,6 +88,15 @@ def note_ties(module: Any, hook: Any) -> None:
             for other, held in [(o, h) for o, h, offloaded in holders if offloaded] + ([(module, name)] if offloading
                                                                                       else []):
                 other.__dict__[NOT_A_PAIR] = frozenset(other.__dict__.get(NOT_A_PAIR, ())) | {held}
+
+
+def _slot_of(module: Any, name: str) -> Any:
+    """(the module whose ``_parameters`` hold ``module``'s parameter ``name``, its local name)."""
+    *path, local = name.split(".")
+    owner = module
+    for part in path:
+        owner = owner._modules[part]
+    return owner, local
 
 
 def record_tie(module: Any, name: str, other: Any, other_name: str) -> None:

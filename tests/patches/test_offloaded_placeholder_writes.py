@@ -9,6 +9,7 @@ The in-process maps name ``cpu`` and ``disk`` only, so every model computes on t
 
 from __future__ import annotations
 
+import copy
 import hashlib
 
 import pytest
@@ -341,6 +342,28 @@ def test_a_write_into_a_tie_metapatch_cannot_follow_raises(tie):
         with pytest.raises(OffloadedWriteError, match="tied"):
             written.weight.mul_(2.0)
         assert torch.equal(model(x), untouched)
+
+
+@in_range
+def test_a_model_offloaded_after_an_in_memory_dispatch_is_not_tied_to_itself():
+    """A block first dispatched in memory (a hook that places its submodules), its hooks removed, then offloaded (a
+    re-dispatch: PEFT's, accelerate's own): each weight was seen through two hooks, one slot each time, and is no tie;
+    a write into it is kept as for any offloaded weight (found by peft's own TestOffloadSave::test_offload_merge)."""
+    import accelerate
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module, remove_hook_from_submodules
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    reference = copy.deepcopy(model)
+    add_hook_to_module(model, AlignDevicesHook(execution_device="cpu", place_submodules=True))
+    remove_hook_from_submodules(model)
+    accelerate.cpu_offload(model, execution_device="cpu")
+    assert model[0].weight.is_meta
+    with torch.no_grad():
+        for m in (reference, model):
+            m[0].weight.mul_(2.0)
+        x = torch.randn(2, 8)
+        assert torch.equal(model(x), reference(x))
 
 
 @in_range
