@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -90,8 +91,24 @@ def _explain(outcome) -> str:
 # -- peft-offload-redispatch --------------------------------------------------------------------
 
 
+def _earlier_failure(outcome, key) -> bool:
+    """Whether this release fails the unpatched run before the bug under test (a declared ``Expect`` of the scenario
+    other than its main error: peft < 0.20's own KeyError), asserted here; an n/a run is skipped."""
+    if outcome.not_applicable:
+        pytest.skip(f"{key}: n/a here: {outcome.not_applicable}")
+    scenario = SCENARIOS[key]
+    expect = scenario.expected_unpatched(affected(REDISPATCH))
+    if expect.error == scenario.expected_error:
+        return False
+    assert not outcome.passed and outcome.error_type in expect.error.split("|"), _explain(outcome)
+    assert re.search(expect.message, outcome.error or ""), _explain(outcome)
+    return True
+
+
 def test_unpatched_llama_from_root_overwrites_the_checkpoint(outcomes):
     outcome, added = outcomes[("unpatched", LLAMA, "root")]
+    if _earlier_failure(outcome, LLAMA):
+        return
     if affected(REDISPATCH):
         assert not outcome.passed
         assert outcome.error_type == SCENARIOS[LLAMA].expected_error, _explain(outcome)
@@ -102,6 +119,8 @@ def test_unpatched_llama_from_root_overwrites_the_checkpoint(outcomes):
 
 def test_unpatched_gemma4_copies_the_checkpoint_into_the_working_directory(outcomes):
     outcome = outcomes[("unpatched", GEMMA4)]
+    if _earlier_failure(outcome, GEMMA4):
+        return
     if affected(REDISPATCH):
         assert not outcome.passed
         assert outcome.error_type == SCENARIOS[GEMMA4].expected_error, _explain(outcome)
@@ -115,6 +134,8 @@ def test_unpatched_gemma4_copies_the_checkpoint_into_the_working_directory(outco
 @pytest.mark.parametrize("key", [LLAMA, GEMMA4])
 def test_patched_matches_the_in_memory_adapter_everywhere(outcomes, key):
     outcome = outcomes[("patched", key, "root")][0] if key == LLAMA else outcomes[("patched", key)]
+    if outcome.not_applicable:
+        pytest.skip(f"{key}: n/a here: {outcome.not_applicable}")
     assert outcome.passed, _explain(outcome)
     expected_state = "applied" if affected(REDISPATCH) else "not-affected"
     assert outcome.states[REDISPATCH.id] == expected_state
