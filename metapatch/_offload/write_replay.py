@@ -8,7 +8,8 @@ generator, the program's other operands stay where it put them), written there, 
 hook's :class:`~metapatch._offload.store.Overlay`,
 which the next forward and ``save_pretrained`` read; or refused with
 :class:`~metapatch._offload.offloaded_weights.OffloadedWriteError` (a meta source, a change of shape or dtype, a
-tied weight, a placeholder its module no longer holds), keeping nothing. The torch classes that route writes here
+tie it cannot follow, a placeholder its module no longer holds), keeping nothing. A tied pair of offloaded weights
+(:func:`tie_partner`) is one placeholder, and a write into it is kept for both hooks. The torch classes that route writes here
 are :mod:`metapatch._offload.placeholder_classes`.
 
 Nothing here imports torch or accelerate at import time.
