@@ -95,12 +95,20 @@ def tie_partner(module: Any, name: str, placeholder: Any) -> Optional[Tuple[Any,
     return partner, partner_name, partner_hook
 
 
-class Materialised:
-    """The stored values of the placeholders one write touches, on their hooks' execution devices, and where to keep
-    them (in CPU memory)."""
+# aten writes that only move values (no arithmetic, no random draw, no index or mask that must share the weight's
+# device): bit for bit the same on any device, so with CPU operands they are replayed on the kept value in CPU
+# memory, in place (a textual-inversion loop writes one row per step, ``emb.weight.data[token] = learned``: on the
+# execution device each write would copy the whole stored tensor there and back)
+MOVING_ONLY = frozenset({"copy_", "fill_", "zero_"})
 
-    def __init__(self) -> None:
+
+class Materialised:
+    """The stored values of the placeholders one write touches, on their hooks' execution devices (``on_cpu``: in CPU
+    memory, for a write that only moves values), and where to keep them (in CPU memory)."""
+
+    def __init__(self, on_cpu: bool = False) -> None:
         self.values: Dict[int, Tuple[Any, Any, str, Any, Any]] = {}
+        self.on_cpu = on_cpu
 
     def of(self, placeholder: Any, copy: bool) -> Any:
         entry = self.values.get(id(placeholder))
@@ -113,7 +121,7 @@ class Materialised:
             kept = overlay.kept.get(name)
             # The write runs where the in-memory weight is, the hook's execution device: a random one draws from that
             # device's generator, with the program's other operands where it put them, as in memory.
-            device = compute_device(hook)
+            device = torch.device("cpu") if self.on_cpu else compute_device(hook)
             if device.type == "meta":  # a hook that computes nothing (accelerate's meta execution device)
                 device = torch.device("cpu")
             if not copy and kept is not None and kept.device == device and kept.dtype == placeholder.dtype \
@@ -203,10 +211,13 @@ def replay_write(func: Any, args: tuple, kwargs: dict, data_cls: Any) -> Any:
     """Replay one aten write whose written argument is a ``data_cls`` view of a marked placeholder
     (:class:`~metapatch._offload.placeholder_classes` ``PlaceholderData``) on the stored values, and keep them."""
     import torch
-    from torch.utils._pytree import tree_map
+    from torch.utils._pytree import tree_leaves, tree_map
 
-    reshaping = func._schema.name.split("::")[-1] in RESHAPING
-    store = Materialised()
+    op = func._schema.name.split("::")[-1]
+    reshaping = op in RESHAPING
+    store = Materialised(on_cpu=op in MOVING_ONLY and not any(
+        isinstance(value, torch.Tensor) and not isinstance(value, data_cls) and value.device.type != "cpu"
+        for value in tree_leaves((args, kwargs))))
 
     def real(value: Any) -> Any:
         if isinstance(value, data_cls):
