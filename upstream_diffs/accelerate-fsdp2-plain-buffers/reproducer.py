@@ -24,24 +24,27 @@ class Gate(nn.Module):
 
 
 def rank_main(rank, port, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", OMP_NUM_THREADS="1")
-    from accelerate import Accelerator, PartialState
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, cpu_ram_efficient_loading=True)
-    accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
-    PartialState().distributed_type = accelerator.state.distributed_type = DistributedType.FSDP
-    accelerator.state.fsdp_plugin = plugin
-    torch.manual_seed(0)
-    model, x = Gate(), torch.randn(2, 8)
-    expected = model(x).detach()
     try:
-        model, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))  # .device_mesh
-        torch.testing.assert_close(model(x), expected)
-        torch.save(None, f"{out}/{rank}")
-    except Exception as exc:
-        torch.save(f"{type(exc).__name__}: {exc}", f"{out}/{rank}")
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                          WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", OMP_NUM_THREADS="1")
+        from accelerate import Accelerator, PartialState
+        from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, cpu_ram_efficient_loading=True)
+        accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
+        PartialState().distributed_type = accelerator.state.distributed_type = DistributedType.FSDP
+        accelerator.state.fsdp_plugin = plugin
+        torch.manual_seed(0)
+        model, x = Gate(), torch.randn(2, 8)
+        expected = model(x).detach()
+        try:
+            model, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))  # .device_mesh
+            torch.testing.assert_close(model(x), expected)
+            torch.save(None, f"{out}/{rank}")
+        except Exception as exc:
+            torch.save(f"{type(exc).__name__}: {exc}", f"{out}/{rank}")
+    finally:  # a clean exit: a rank that leaves its gloo group alive can abort ("terminate called ...")
+        torch.distributed.is_initialized() and torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -14,24 +14,27 @@ import torch.multiprocessing as mp
 
 
 def rank_main(rank, port, ckpt):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", OMP_NUM_THREADS="1", ACCELERATE_USE_FSDP="true",
-                      FSDP_VERSION="2", FSDP_CPU_RAM_EFFICIENT_LOADING="true")
-    from accelerate import Accelerator, PartialState
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-    from transformers import AutoModelForSequenceClassification
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                          WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", OMP_NUM_THREADS="1", ACCELERATE_USE_FSDP="true",
+                          FSDP_VERSION="2", FSDP_CPU_RAM_EFFICIENT_LOADING="true")
+        from accelerate import Accelerator, PartialState
+        from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+        from transformers import AutoModelForSequenceClassification
 
-    plugin = FullyShardedDataParallelPlugin()
-    accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
-    PartialState().distributed_type = accelerator.state.distributed_type = DistributedType.FSDP
-    accelerator.state.fsdp_plugin = plugin
-    model = AutoModelForSequenceClassification.from_pretrained(ckpt, num_labels=3).eval()
-    model = accelerator.prepare_model(model, evaluation_mode=True)
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([[1, 5, 9, 3, 7, 2, 4, 6]])).logits
-    both = [torch.empty_like(logits) for _ in range(2)]
-    torch.distributed.all_gather(both, logits)
-    assert torch.equal(both[1], both[0]), f"rank 1's logits differ from rank 0's by {(both[1] - both[0]).abs().max()}"
+        plugin = FullyShardedDataParallelPlugin()
+        accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
+        PartialState().distributed_type = accelerator.state.distributed_type = DistributedType.FSDP
+        accelerator.state.fsdp_plugin = plugin
+        model = AutoModelForSequenceClassification.from_pretrained(ckpt, num_labels=3).eval()
+        model = accelerator.prepare_model(model, evaluation_mode=True)
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([[1, 5, 9, 3, 7, 2, 4, 6]])).logits
+        both = [torch.empty_like(logits) for _ in range(2)]
+        torch.distributed.all_gather(both, logits)
+        assert torch.equal(both[1], both[0]), f"rank 1's logits differ from rank 0's by {(both[1] - both[0]).abs().max()}"
+    finally:  # a clean exit: a rank that leaves its gloo group alive can abort ("terminate called ...")
+        torch.distributed.is_initialized() and torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
