@@ -122,8 +122,9 @@ def test_hooks_are_read_from_the_module_dict_only():
 
 
 def test_no_module_but_the_reader_reads_accelerates_hook_state():
-    """``module._hf_hook`` and ``hook.weights_map`` are read (and written) in hook_state only: a second
-    reader is how diagnose and the move guard came to disagree. Attribute access and the attribute's name
+    """``module._hf_hook``, ``hook.weights_map`` and ``hook.execution_device`` are read (and written) in hook_state
+    only: a second reader is how diagnose and the move guard came to disagree (and how an int execution device
+    came to be read three ways). Attribute access and the attribute's name
     as a string (``"_hf_hook" in module.__dict__``, ``getattr(hook, "weights_map")``) both count; the
     keyword ``weights_map=`` of accelerate's own functions does not."""
     import ast
@@ -137,6 +138,9 @@ def test_no_module_but_the_reader_reads_accelerates_hook_state():
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute) and node.attr in ("_hf_hook", "weights_map"):
+                found.append(f"{path.relative_to(package)}:{node.lineno} .{node.attr}")
+            elif isinstance(node, ast.Attribute) and node.attr == "execution_device" and not (
+                    isinstance(node.value, ast.Name) and node.value.id == "_device"):  # the selftest's own choice
                 found.append(f"{path.relative_to(package)}:{node.lineno} .{node.attr}")
             elif isinstance(node, ast.Call) and any(
                     isinstance(arg, ast.Constant) and arg.value in ("_hf_hook", "weights_map") for arg in node.args[1:2]):

@@ -277,16 +277,13 @@ def _trainable_copies_in_memory(wrappers: List[Tuple[str, Any]]) -> int:
     weights map, lose the hook (an optimizer must keep the same parameters) and stay in memory on the
     execution device. The original module stays offloaded. ``wrappers``: the (name,
     ``ModulesToSaveWrapper``) pairs of the model."""
-    import torch
-
     adjusted = 0
     for wrapper_name, wrapper in wrappers:
         for adapter, copy in getattr(wrapper, "modules_to_save", {}).items():
             for name, module in copy.named_modules():
                 hook = offload_hook(module)
                 if hook is not None:
-                    device = hook.execution_device
-                    _restore_from_hook(module, torch.device(device if not isinstance(device, int) else f"cuda:{device}"))
+                    _restore_from_hook(module, hook_state.compute_device(hook))
                     adjusted += 1
             missing = [n for n, t in list(copy.named_parameters()) + list(copy.named_buffers()) if t.device.type == "meta"]
             if missing:

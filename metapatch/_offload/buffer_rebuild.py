@@ -188,7 +188,7 @@ def _buffers_by_config(model: Any, dtype: Any) -> Optional[Dict[str, Any]]:
 def _mapped_device(device_map: Optional[Mapping[str, Any]], qualname: str) -> Any:
     """Where ``device_map`` (a loader's map) puts the tensor ``qualname``, as the in-memory model would hold it: its
     device (accelerate names GPU ``i`` by the int ``i``); the CPU for "cpu"/"disk" entries and without a map."""
-    from metapatch._offload.model_placement import norm_device
+    from metapatch._offload.device_names import norm_device
     from metapatch._offload.tied_placement import entry_of
 
     key = entry_of(device_map, qualname) if isinstance(device_map, Mapping) else None

@@ -13,14 +13,16 @@ of its loader). Here each answer is written once:
   ``PrefixedDataset``, ``OffloadedWeightsLoader`` and metapatch's ``Overlay``, without loading it
   (``Mapping.__contains__`` of accelerate's loader would read the file);
 * :func:`storage`: "disk", "cpu" or "the offload store" for an offload hook;
-* :func:`compute_device`: the ``torch.device`` a hook loads its module's tensors onto (accelerate's int ``i`` is
-  GPU ``i``), where the in-memory model holds them;
+* :func:`execution_device`, :func:`compute_device`: the ``torch.device`` a hook names as its execution device
+  (accelerate's int ``i`` is the accelerator's device ``i``), and the one it loads its module's tensors onto for a
+  forward (the CPU where it names none), where the in-memory model holds them;
 * :func:`attached_hook`, :func:`hooked` (``hooked_as_accelerate_asks``: ``hasattr``, as accelerate asks),
   :func:`weights_map_of`: the raw reads everyone else makes through here, and the two writes metapatch
   makes to a hook's state, :func:`attach` (a ``SequentialHook`` in place of the attached hook) and
   :func:`serve_from` (an ``Overlay`` in front of its weights map).
 
-No other module reads ``_hf_hook`` or a hook's ``weights_map`` (``tests/test_hook_state.py`` checks).
+No other module reads ``_hf_hook``, a hook's ``weights_map`` or its ``execution_device``
+(``tests/test_hook_state.py`` checks).
 
 Nothing here imports accelerate: a process that never imported ``accelerate.hooks`` has no hooks.
 """
@@ -109,15 +111,31 @@ def offload_hook(module: Any) -> Optional[Any]:
     return next((h for h in offload_hooks(module) if h.weights_map is not None), None)
 
 
-def compute_device(hook: Any) -> Any:
-    """The ``torch.device`` ``hook`` loads its module's tensors onto for a forward: where the in-memory model would
-    hold them (accelerate names GPU ``i`` by the int ``i``; the CPU where the hook names none)."""
-    import torch
-
+def execution_device(hook: Any) -> Optional[Any]:
+    """The ``torch.device`` ``hook`` names as its execution device, or None where it names none. accelerate's int
+    ``i`` is read as ``tensor.to(i)`` reads it (the accelerator's device ``i``: GPU ``i`` on a CUDA machine)."""
     device = getattr(hook, "execution_device", None)
     if device is None:
+        return None
+    import torch
+
+    if isinstance(device, int):
+        try:
+            return torch.device(device)  # the current accelerator's index (torch >= 2.5); "cuda" before
+        except RuntimeError:  # no accelerator here: the hook could not run anyway; name what it means
+            return torch.device("cuda", device)
+    return torch.device(device)
+
+
+def compute_device(hook: Any) -> Any:
+    """The ``torch.device`` ``hook`` loads its module's tensors onto for a forward: where the in-memory model would
+    hold them (:func:`execution_device`; the CPU where the hook names none)."""
+    device = execution_device(hook)
+    if device is None:
+        import torch
+
         return torch.device("cpu")
-    return torch.device(f"cuda:{device}" if isinstance(device, int) else device)
+    return device
 
 
 class Located(NamedTuple):

@@ -85,11 +85,6 @@ def tensor_placements(model: Any) -> Dict[str, str]:
     return result
 
 
-def norm_device(value: Any) -> str:
-    text = str(value)
-    return f"cuda:{text}" if text.isdigit() else text
-
-
 def tied_groups_of(model: Any) -> List[Tuple[str, ...]]:
     try:
         from metapatch._offload.tied_members import tied_groups

@@ -16,6 +16,7 @@ from functools import cached_property
 from itertools import islice
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
+from .device_names import norm_device
 from .tied_members import Group, all_parameters
 
 
@@ -125,15 +126,14 @@ class Placement:
                 device = placed[key]
                 if first is None:
                     first = device
-                elif device != first:
+                elif device != first and norm_device(device) != norm_device(first):  # 0 is "cuda:0"
                     out.append(index)
                     break
         return out
 
     def _split_now(self, group: Group) -> bool:
         """One group's check of :meth:`violations` (which is written flat for its full passes)."""
-        devices = {self.device(m) for m in group}
-        devices.discard(None)
+        devices = {norm_device(d) for d in (self.device(m) for m in group) if d is not None}
         return len(devices) > 1
 
     def _fits(self, device: Any, extra: int) -> bool:

@@ -26,10 +26,11 @@ from collections import Counter, defaultdict
 from typing import Any, Dict, List, Mapping, Optional
 
 from .report import ERROR, INFO, WARNING, Finding, Report, with_patch
-from .._offload.hook_state import align_hooks
+from .._offload.hook_state import align_hooks, execution_device
 from .._offload.hook_state import storage as _storage
+from .._offload.device_names import norm_device
 from .._offload.model_placement import (collapse, covered_meta, device_map_owner, fully_offloaded_roots, join_name,
-                                        norm_device, tensor_placements, tied_groups_of)
+                                        tensor_placements, tied_groups_of)
 
 def check_meta_unfilled(model: Any, covered: set) -> Optional[Finding]:
     names = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta and n not in covered]
@@ -98,8 +99,9 @@ def _input_device(model: Any) -> Optional[str]:
     if embeddings is None:
         return None
     for hook in align_hooks(embeddings):
-        if hook.execution_device is not None:
-            return norm_device(hook.execution_device)
+        device = execution_device(hook)
+        if device is not None:
+            return norm_device(device)
     weight = getattr(embeddings, "weight", None)
     return None if weight is None or weight.is_meta else str(weight.device)
 

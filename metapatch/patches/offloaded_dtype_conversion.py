@@ -36,7 +36,7 @@ import sys
 from typing import Any
 
 from metapatch._framework.calls import signature_of
-from metapatch._offload.hook_state import offload_hooks
+from metapatch._offload.hook_state import compute_device, offload_hooks
 from metapatch._offload.store import conversion
 from metapatch._framework.records import Patch, Target, Upstream
 from metapatch.patches.offloaded_move_guard import refuse_offloaded_move
@@ -61,7 +61,7 @@ def _moves_nothing(model: Any, device: Any) -> bool:
     device = _normalised(torch, device)
     for module in model.modules():
         for hook in offload_hooks(module):
-            if _normalised(torch, hook.execution_device) != device:
+            if _normalised(torch, compute_device(hook)) != device:
                 return False
     return all(_normalised(torch, t.device) == device for t in (*model.parameters(), *model.buffers()) if not t.is_meta)
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Optional
 
-from .._offload.hook_state import offload_hooks
+from .._offload.hook_state import execution_device, offload_hooks
 from .._framework.records import Patch, Target, Upstream
 
 PATCH_ID = "offloaded-model-device"
@@ -38,12 +38,11 @@ def _hook_execution_device(model: Any, name: str) -> Optional[Any]:
     for depth in range(len(owner_path), -1, -1):
         module = model.get_submodule(".".join(owner_path[:depth]))
         for hook in offload_hooks(module):
-            if hook.execution_device is None:
+            device = execution_device(hook)  # an int is an accelerator index, as for .to()
+            if device is None:
                 continue
             if depth == len(owner_path) or getattr(hook, "place_submodules", False):
-                import torch
-
-                return torch.device(hook.execution_device)  # an int means an accelerator index, as for .to()
+                return device
     return None
 
 

@@ -52,11 +52,12 @@ def dispatch_execution_device(module: Any) -> Optional[Any]:
     """The execution device of the hook accelerate's ``dispatch_model`` put on ``module`` (the model it
     dispatched): ``main_device``, where every offloaded module computes. None where no such hook is there
     (a model placed on one device without hooks)."""
-    from metapatch._offload.hook_state import align_hooks
+    from metapatch._offload.hook_state import align_hooks, execution_device
 
     for hook in align_hooks(module):
-        if hook.execution_device is not None:
-            return hook.execution_device
+        device = execution_device(hook)
+        if device is not None:
+            return device
     return None
 
 

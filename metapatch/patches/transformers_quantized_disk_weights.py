@@ -46,6 +46,7 @@ from typing import Any, Dict
 
 from metapatch._framework.calls import signature_of
 from metapatch._framework.records import MetapatchError, Patch, Target, Upstream
+from metapatch._offload.device_names import norm_device
 from metapatch.patches._shared_targets import shared_fingerprints
 
 PATCH_ID = "transformers-quantized-disk-weights"
@@ -89,8 +90,12 @@ def _carries_quant_state(value: Any) -> bool:
 def validate_environment(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     result = wrapped(*args, **kwargs)
     device_map = kwargs.get("device_map")
+    if isinstance(device_map, Mapping):
+        # One spelling per device (0, "cuda:0" and torch.device("cpu") are all accepted by accelerate): the
+        # quantization op compares entries with "cpu"/"disk" and takes the first other one as the main device.
+        device_map = {key: norm_device(device) for key, device in device_map.items()}
     if isinstance(device_map, Mapping) and any(d in OFFLOADED for d in device_map.values()):
-        _FINAL_MAPS[instance] = dict(device_map)
+        _FINAL_MAPS[instance] = device_map
     else:
         _FINAL_MAPS.pop(instance, None)
     return result

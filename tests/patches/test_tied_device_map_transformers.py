@@ -218,6 +218,22 @@ def test_tied_groups_from_identity_on_a_plain_module():
     assert placement.moves == [("1.weight", "0.weight", "disk", "cpu")]
 
 
+def test_one_device_spelled_two_ways_does_not_split_a_tie():
+    """``0`` and ``"cuda:0"`` (or ``torch.device("cuda", 0)``) are one GPU to accelerate: a tie across them is on one
+    device, nothing to repair or warn about."""
+    import torch
+    import torch.nn as nn
+
+    model = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 8, bias=False), nn.Linear(8, 8))
+    model[1].weight = model[0].weight
+    for spelled in ("cuda:0", torch.device("cuda", 0)):
+        placement = Placement(model, {"0": 0, "1": spelled, "2": "cpu"}, tied_groups(model))
+        assert placement.violations() == []
+        placement.repair()
+        assert placement.moves == []
+    assert Placement(model, {"0": 0, "1": "cuda:1", "2": "cpu"}, tied_groups(model)).violations() == [0]
+
+
 def test_module_import_is_cheap():
     import subprocess
     import sys

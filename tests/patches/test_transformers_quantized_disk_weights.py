@@ -69,9 +69,22 @@ def test_final_map_is_recorded_only_where_it_offloads():
     validate_environment(lambda *a, **k: None, quantizer, (), {"device_map": "auto"})
     assert quantizer not in _FINAL_MAPS
     validate_environment(lambda *a, **k: None, quantizer, (), {"device_map": {"": 0, "model.layers.1": "disk"}})
-    assert _FINAL_MAPS[quantizer] == {"": 0, "model.layers.1": "disk"}
+    assert _FINAL_MAPS[quantizer] == {"": "cuda:0", "model.layers.1": "disk"}
     validate_environment(lambda *a, **k: None, quantizer, (), {"device_map": {"": 0}})
     assert quantizer not in _FINAL_MAPS
+
+
+def test_final_map_reads_every_spelling_of_a_device():
+    """accelerate takes ``torch.device("cpu")`` and ``0`` in a map as it takes "cpu" and "cuda:0": a map spelled so
+    offloads to the CPU and computes on GPU 0 (it was not recorded at all, so the offloaded weight was quantized
+    on the CPU)."""
+    torch = pytest.importorskip("torch")
+    quantizer = _Quantizer()
+    device_map = {"model.embed_tokens": torch.device("cpu"), "model.layers.0": torch.device("cuda", 0),
+                  "lm_head": 0}
+    validate_environment(lambda *a, **k: None, quantizer, (), {"device_map": device_map})
+    assert _main_device(_FINAL_MAPS[quantizer]) == torch.device("cuda", 0)
+    assert _entry(_FINAL_MAPS[quantizer], "model.embed_tokens.weight") == "cpu"
 
 
 def test_quantization_op_moves_offloaded_weights_to_the_main_device_and_back(monkeypatch):
