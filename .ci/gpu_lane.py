@@ -53,7 +53,7 @@ WHEELS = ROOT / ".gpu" / "whl"
 # pytest, pytest-xdist, pytest-timeout; no bitsandbytes, no unzip): the latest matrix pair and the hub client
 # transformers 5.25 needs, with that client's own new dependencies. One version each: a lane run is repeatable.
 PINS = (
-    "transformers==5.25.0", "accelerate==1.16.0", "peft==0.21.2", "bitsandbytes==0.50.2", "kernels==0.19.1",
+    "transformers==5.25.0", "accelerate==1.16.0", "peft==0.22.0", "bitsandbytes==0.50.2", "kernels==0.19.1",
     "huggingface_hub==2.4.0", "httpx2==2.16.2", "httpcore2==2.16.2", "hf-xet==1.8.0", "click==8.4.2",
     "idna==3.18", "anyio==4.16.0", "truststore==0.10.5", "tomlkit==0.15.3", "gguf==0.19.0", "parameterized==0.9.0",
 )

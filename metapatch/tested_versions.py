@@ -7,7 +7,7 @@ the other distributions are the same in every row.
 
 COMMON = {
     "torch": "2.13.0",
-    "peft": "0.21.2",
+    "peft": "0.22.0",  # transformers 5.24+ asks for peft >= 0.22 for adapter switching (MIN_PEFT_VERSION)
     "bitsandbytes": "0.50.2",
 }
 
@@ -52,12 +52,13 @@ GATE_STACKS = {
     "early5": {"transformers": "5.2.0", "accelerate": "1.11.0", "peft": "0.18.0", "bitsandbytes": "0.47.0"},
     "mid": {"transformers": "5.17.0", "accelerate": "1.14.0", "peft": "0.19.1", "bitsandbytes": "0.49.2"},
     # The pair before the latest one: users upgrade one package at a time, and accelerate 1.15 still has a bug
-    # that 1.16 does not (FSDP2's cpu_ram_efficient_loading of plain buffers).
+    # that 1.16 does not (FSDP2's cpu_ram_efficient_loading of plain buffers); with the peft before the latest
+    # (0.21: another code variant of five of peft-offload-redispatch's targets).
     "previous": {"transformers": "5.24.0", "accelerate": "1.15.0", "peft": "0.21.2", "bitsandbytes": "0.50.2"},
     # The latest pair on another torch: the project's GPU machine runs torch 2.11, which FSDP2 tells apart
     # (no duplicate-parameter check before 2.13: a doubly grouped tie trained wrong there, silently, while
     # 2.13 raises). Other torch releases are only read (READ_ONLY_WINDOW). PyPI's build, a CUDA one, on the CPU.
-    "torch211": {"transformers": "5.25.0", "accelerate": "1.16.0", "peft": "0.21.2", "bitsandbytes": "0.50.2",
+    "torch211": {"transformers": "5.25.0", "accelerate": "1.16.0", "peft": "0.22.0", "bitsandbytes": "0.50.2",
                  "torch": "2.11.0"},
 }
 

@@ -142,7 +142,12 @@ def move_adapter_to_execution_device(layer: Any, adapter_name: str) -> bool:
             continue  # created empty (low_cpu_mem_usage): its values are assigned when loaded
         item_dtype = getattr(item, "dtype", None)
         cast = dtype is not None and (item_dtype is None or item_dtype.is_floating_point)
+        # A moved tensor is a new one, and a ParameterDict makes it a new Parameter that requires grad: keep what
+        # the adapter had (a frozen adapter stays frozen; peft 0.22 does the same in its own move).
+        requires_grad = getattr(item, "requires_grad", None) if isinstance(item, torch.Tensor) else None
         container[adapter_name] = item.to(device, dtype=dtype) if cast else item.to(device)
+        if requires_grad is not None:
+            container[adapter_name].requires_grad_(requires_grad)
     return True
 
 

@@ -237,6 +237,38 @@ def test_move_adapter_goes_to_the_execution_device_not_meta():
     assert move_adapter_to_execution_device(layer, "a") is True
     assert layer.scales["a"].device.type == "cpu" and layer.scales["a"].dtype == torch.float32
     assert torch.equal(layer.scales["a"], torch.ones(2))
+    assert layer.scales["a"].requires_grad  # as it was
+
+
+def test_moved_adapter_keeps_requires_grad():
+    """A cast (or a move to the GPU) makes a new tensor, and a ParameterDict a new Parameter that requires grad:
+    a frozen adapter (loaded with is_trainable=False) stays frozen, as peft 0.22 keeps it in its own move."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("accelerate")
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    from metapatch._offload.adapter_offload import move_adapter_to_execution_device
+
+    class Layer(torch.nn.Module):
+        adapter_layer_names = ("scales",)
+        other_param_names = ()
+
+        def __init__(self):
+            super().__init__()
+            self.base_layer = torch.nn.Linear(3, 2).to(torch.bfloat16)
+            self.scales = torch.nn.ParameterDict({
+                "frozen": torch.nn.Parameter(torch.ones(2), requires_grad=False),
+                "trained": torch.nn.Parameter(torch.ones(2))})
+
+        def get_base_layer(self):
+            return self.base_layer
+
+    layer = Layer()
+    add_hook_to_module(layer.base_layer, AlignDevicesHook(execution_device="cpu", offload=True))
+    for name in ("frozen", "trained"):
+        assert move_adapter_to_execution_device(layer, name) is True
+    assert layer.scales["frozen"].dtype == torch.bfloat16 and not layer.scales["frozen"].requires_grad
+    assert layer.scales["trained"].dtype == torch.bfloat16 and layer.scales["trained"].requires_grad
 
 
 @pytest.mark.parametrize("use_dora", [False, True])

@@ -90,28 +90,33 @@ PATCH = Patch(
                              "cca3faebe5bde4c0",  # 0.18.1
                              "c31a288f71d46306",  # 0.19.1
                              "cd5d661cecd68538",  # 0.20.0
-                             "fa080cb27757e067"),  # 0.21.2
+                             "fa080cb27757e067",  # 0.21.2
+                             "ac6e2eb02964ff10"),  # 0.22.0 (strict_adapter_check, passed on to load_adapter)
                wrapper=_wrappers.from_pretrained),
         Target("peft.mixed_model", "PeftMixedModel.from_pretrained",
                fingerprints=("e197b2200a6d4026",  # 0.17.1
-                             "7e08004893d2f7bd"),  # 0.18.1-0.21.2
+                             "7e08004893d2f7bd",  # 0.18.1-0.21.2
+                             "9c48f57d28fdcdaf"),  # 0.22.0 (return annotation only)
                wrapper=_wrappers.from_pretrained),
         Target("peft.peft_model", "PeftModel.load_adapter",
                fingerprints=("d878239f47e8c4bc",  # 0.17.1, 0.18.1
                              "d0b733dc079f68d3",  # 0.19.1
                              "90278732e20e40b5",  # 0.20.0
-                             "4c289775b0a6ae1b"),  # 0.21.2
+                             "4c289775b0a6ae1b",  # 0.21.2
+                             "bc0e2c51689fc33e"),  # 0.22.0 (strict_adapter_check: warns or raises on key mismatches)
                wrapper=_wrappers.load_adapter),
         Target("peft.tuners.tuners_utils", "BaseTuner.inject_adapter",
                fingerprints=("7aa9350c7b14620b",  # 0.17.1
                              "943651b6895724fe",  # 0.18.1
                              "c128c3d2058942ac",  # 0.19.1, 0.20.0
-                             "afced1c19440d2bf"),  # 0.21.2
+                             "afced1c19440d2bf",  # 0.21.2
+                             "75e827f5d518b910"),  # 0.22.0 (validates every target, then creates the layers)
                wrapper=_wrappers.inject_adapter),
         Target("peft.tuners.tuners_utils", "BaseTunerLayer._move_adapter_to_device_of_base_layer",
                fingerprints=("5055e406d9f1a3db",  # 0.17.1, 0.18.1
                              "38f6dfca25c0f168",  # 0.19.1, 0.20.0
-                             "5ae3d49c5476a73f"),  # 0.21.2
+                             "5ae3d49c5476a73f",  # 0.21.2
+                             "8e4add5c865eb5ed"),  # 0.22.0 (keeps each moved tensor's requires_grad)
                wrapper=_wrappers.move_adapter),
         Target("peft.tuners.tuners_utils", "onload_layer",
                fingerprints=("613a4d10649c3021",  # 0.17.1-0.19.1
@@ -123,7 +128,8 @@ PATCH = Patch(
                              "1d95bfb5c1856ac0",  # 0.19.x
                              "8aa8635d66fd17a5",  # 0.20.0
                              "2fc7858d1c22444c",  # 0.21.0
-                             "d58ad4638396f6ea"),  # 0.21.1, 0.21.2
+                             "d58ad4638396f6ea",  # 0.21.1, 0.21.2
+                             "6af2a2197305df5f"),  # 0.22.0 (gathers DTensors of the selected entries; others untouched)
                wrapper=_saving.get_peft_model_state_dict,
                aliases=("peft.utils:get_peft_model_state_dict", "peft.peft_model:get_peft_model_state_dict",
                         "peft:get_peft_model_state_dict", "peft.functional:get_peft_model_state_dict",
