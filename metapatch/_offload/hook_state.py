@@ -121,7 +121,7 @@ def execution_device(hook: Any) -> Optional[Any]:
 
     if isinstance(device, int):
         try:
-            return torch.device(device)  # the current accelerator's index (torch >= 2.5); "cuda" before
+            return torch.device(device)  # the current accelerator's device i (older torch: always CUDA's)
         except RuntimeError:  # no accelerator here: the hook could not run anyway; name what it means
             return torch.device("cuda", device)
     return torch.device(device)
