@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from metapatch._framework.calls import keyword_names
 from metapatch._offload.placeholder_quiet import quiet_sibling
 from metapatch._offload.write_replay import (ALIAS, RESHAPING, SLOT, assign, converted, describe, part, replay_call,
-                                             replay_write, write_error, writes_into)
+                                             replay_write, scratch_like, write_error, writes_into)
 
 CLASSES: Dict[str, Any] = {}  # torch's and the marked classes, by role, once built
 
@@ -259,12 +259,16 @@ def _build_classes() -> Tuple[Any, Any, Any]:
         writable marked placeholder, the function runs here on the stored value (its own arguments, the
         placeholder's value in its place), the result is kept, and the answer (meta) lets the call on the
         placeholder return unchanged, as it did."""
-        if meta and caller.f_globals.get("__name__") == "torch.nn.init" and caller.f_code.co_name.endswith("_") \
-                and _writable(tensor):  # an in-place init (torch's naming), not a reader such as a fan count
+        if meta and _in_place_init(caller) and _writable(tensor):
             function = caller.f_globals.get(caller.f_code.co_name)
             if getattr(function, "__code__", None) is caller.f_code:
                 replay_call(function, caller, tensor)
         return meta
+
+    def _in_place_init(caller: Any) -> bool:
+        """Whether ``caller`` is an in-place ``torch.nn.init`` function (torch's naming), not a reader such as a fan
+        count."""
+        return caller.f_globals.get("__name__") == "torch.nn.init" and caller.f_code.co_name.endswith("_")
 
     class _Marked:
         """What a marked placeholder (a parameter's or a buffer's) overrides: writes into it reach the offload
@@ -346,6 +350,10 @@ def _build_classes() -> Tuple[Any, Any, Any]:
                     return _is_meta_asked(args[0], sys._getframe(1), value)
                 return value
             kwargs = kwargs or {}
+            if name == "new_empty" and _in_place_init(sys._getframe(1)) and _writable(args[0]):
+                # torch < 2.13's orthogonal_ computes its value in weight.new_empty(...): a real one, where the
+                # in-memory weight is, so that what it then copies into the weight is known (and the same numbers)
+                return scratch_like(args[0], disabled(func, types, args, kwargs))
             if "out" in kwargs or _is_write_method(name):
                 routed = _route_write(func, args, kwargs)
                 if routed is not not_routed:

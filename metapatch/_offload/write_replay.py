@@ -262,6 +262,20 @@ def replay_call(function: Any, frame: Any, placeholder: Any) -> None:
     store.keep()
 
 
+def scratch_like(placeholder: Any, meta_result: Any) -> Any:
+    """An uninitialised tensor shaped as ``meta_result`` on the execution device of ``placeholder``'s hook, where the
+    in-memory weight is: what ``weight.new_empty(...)`` gives an in-place ``torch.nn.init`` function in memory (torch
+    < 2.13's ``orthogonal_`` draws its matrix into one, then copies it into the weight: on a meta scratch the copied
+    value would be unknown, and the write refused)."""
+    import torch
+
+    _, _, hook = owner(placeholder, tied_ok=True)
+    device = compute_device(hook)
+    if device.type == "meta":
+        device = torch.device("cpu")
+    return torch.empty(meta_result.shape, dtype=meta_result.dtype, device=device)
+
+
 def part(func: Any, index: int, view: Any, *args: Any, **kwargs: Any) -> Any:
     """The ``index``-th view ``func`` (``split``, ``unbind``, ``chunk``...) makes of ``view``: one step of a chain."""
     return func(view, *args, **kwargs)[index]
