@@ -283,7 +283,9 @@ class Placement:
                 elif self._split_now(group):
                     self._demote(group)
                     after = self.device(group[0])
-                    self.moves.extend((m, group[0], before[m], after) for m in group if before[m] != after)
+                    # every member may have moved, the first too: each is named beside another member, not itself
+                    self.moves.extend((m, group[1] if m == group[0] else group[0], before[m], after)
+                                      for m in group if before[m] != after)
         raise RuntimeError("metapatch could not place every tied group on a single device: "
                            f"{[self.groups[i][:2] for i in self.violations()[:5]]}")
 

@@ -341,3 +341,26 @@ def test_random_models_ties_and_budgets():
 
     hypothesis  # the import above is only the skip guard
     check()
+
+
+def test_a_repair_names_each_moved_member_beside_another_member(tmp_path):
+    """BertLMHeadModel's tied head bias (cls.predictions.bias / decoder.bias) moves as a whole group when the map
+    splits it from the tied embedding's disk: the warning named the first member as tied to itself."""
+    import re
+    import warnings
+
+    transformers = pytest.importorskip("transformers")
+    from metapatch.sweep import shrink
+
+    config = shrink.tiny_config(transformers.BertConfig)
+    config.is_decoder = True
+    transformers.BertLMHeadModel(config).save_pretrained(tmp_path / "ckpt")
+    device_map = {"bert.embeddings": "disk", "bert.encoder.layer.0": "cpu", "bert.encoder.layer.1": "cpu", "cls": "cpu"}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        transformers.BertLMHeadModel.from_pretrained(tmp_path / "ckpt", device_map=device_map,
+                                                     offload_folder=str(tmp_path / "offload"))
+    pairs = [pair for w in caught if issubclass(w.category, TiedGroupsSplitWarning)
+             for pair in re.findall(r"'([\w.]+)' \(on \w+\) is tied to '([\w.]+)'", str(w.message))]
+    assert ("cls.predictions.decoder.weight", "bert.embeddings.word_embeddings.weight") in pairs
+    assert pairs and all(member != anchor for member, anchor in pairs), pairs
