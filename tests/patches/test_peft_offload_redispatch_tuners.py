@@ -212,12 +212,8 @@ def test_hold_hook_keeps_an_offloaded_layer_onloaded_for_the_whole_forward():
     assert layer.weight.device.type == "meta"
 
 
-def test_move_adapter_goes_to_the_execution_device_not_meta():
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("accelerate")
-    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
-
-    from metapatch._offload.adapter_offload import move_adapter_to_execution_device
+def _tuner_layer(torch, base, scales):
+    """A tuner layer as peft's move reads one: a base layer and a ParameterDict of per-adapter tensors."""
 
     class Layer(torch.nn.Module):
         adapter_layer_names = ("scales",)
@@ -225,13 +221,23 @@ def test_move_adapter_goes_to_the_execution_device_not_meta():
 
         def __init__(self):
             super().__init__()
-            self.base_layer = torch.nn.Linear(3, 2)
-            self.scales = torch.nn.ParameterDict({"a": torch.nn.Parameter(torch.ones(2, dtype=torch.float64))})
+            self.base_layer = base
+            self.scales = torch.nn.ParameterDict(scales)
 
         def get_base_layer(self):
             return self.base_layer
 
-    layer = Layer()
+    return Layer()
+
+
+def test_move_adapter_goes_to_the_execution_device_not_meta():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("accelerate")
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    from metapatch._offload.adapter_offload import move_adapter_to_execution_device
+
+    layer = _tuner_layer(torch, torch.nn.Linear(3, 2), {"a": torch.nn.Parameter(torch.ones(2, dtype=torch.float64))})
     assert move_adapter_to_execution_device(layer, "a") is False  # not offloaded: upstream decides
     add_hook_to_module(layer.base_layer, AlignDevicesHook(execution_device="cpu", offload=True))
     assert move_adapter_to_execution_device(layer, "a") is True
@@ -249,21 +255,9 @@ def test_moved_adapter_keeps_requires_grad():
 
     from metapatch._offload.adapter_offload import move_adapter_to_execution_device
 
-    class Layer(torch.nn.Module):
-        adapter_layer_names = ("scales",)
-        other_param_names = ()
-
-        def __init__(self):
-            super().__init__()
-            self.base_layer = torch.nn.Linear(3, 2).to(torch.bfloat16)
-            self.scales = torch.nn.ParameterDict({
-                "frozen": torch.nn.Parameter(torch.ones(2), requires_grad=False),
-                "trained": torch.nn.Parameter(torch.ones(2))})
-
-        def get_base_layer(self):
-            return self.base_layer
-
-    layer = Layer()
+    layer = _tuner_layer(torch, torch.nn.Linear(3, 2).to(torch.bfloat16),
+                         {"frozen": torch.nn.Parameter(torch.ones(2), requires_grad=False),
+                          "trained": torch.nn.Parameter(torch.ones(2))})
     add_hook_to_module(layer.base_layer, AlignDevicesHook(execution_device="cpu", offload=True))
     for name in ("frozen", "trained"):
         assert move_adapter_to_execution_device(layer, name) is True
