@@ -404,12 +404,13 @@ def test_tested_versions_is_the_documented_matrix():
     pairs = {(row["transformers"], row["accelerate"]) for row in tested_versions.MATRIX}
     assert pairs == {("5.11.0", "1.13.0"), ("5.7.0", "1.13.0"), ("5.25.0", "1.16.0")}
     for row in tested_versions.MATRIX:
-        assert (row["torch"], row["peft"], row["bitsandbytes"]) == ("2.13.0", "0.21.2", "0.50.2")
+        assert (row["torch"], row["peft"], row["bitsandbytes"]) == ("2.13.0", "0.22.0", "0.50.2")
     # nox's `latest` environment is the newest pair; the pair before it stays covered by a gate stack
     noxfile = (ROOT / "noxfile.py").read_text()
     assert '("5.25.0", "1.16.0"): "latest"' in noxfile
     previous = {(s["transformers"], s["accelerate"]) for s in tested_versions.GATE_STACKS.values()}
     assert ("5.24.0", "1.15.0") in previous
+    assert "0.21.2" in {s["peft"] for s in tested_versions.GATE_STACKS.values()}  # the peft before the latest too
 
 
 def test_pins_command_on_the_real_environment():
