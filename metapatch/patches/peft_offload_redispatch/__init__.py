@@ -1,7 +1,7 @@
 """peft-offload-redispatch: PEFT adapters over a base model offloaded to cpu/disk by accelerate give
 the results of the in-memory model, keep the base's placement and its checkpoint files untouched.
 
-Upstream PEFT (0.17.0-0.21.2 measured, unfixed on main):
+Upstream PEFT (0.17.0-0.22.0 measured, unfixed in 0.22.0):
 
 * ``PeftModel.load_adapter`` re-dispatches the wrapped model whenever the base's ``hf_device_map``
   holds ``cpu`` or ``disk``: it infers a brand-new map (everything fits in memory on a CPU-only
@@ -75,14 +75,14 @@ from ._sources import OffloadedTensors, capture_sources  # noqa: F401
 
 PATCH_ID = "peft-offload-redispatch"
 
-# Fingerprints measured per release (peft 0.17.1, 0.18.1, 0.19.1, 0.20.0, 0.21.2); the reproducers
+# Fingerprints measured per release (peft 0.17.1, 0.18.1, 0.19.1, 0.20.0, 0.21.2, 0.22.0); the reproducers
 # pass patched on each (docs: the per-version table in the patch's report).
 PATCH = Patch(
     id=PATCH_ID,
     title="PEFT adapters over a cpu/disk-offloaded base: results of the in-memory model for every tuner, the "
           "base placement and checkpoint files kept (no write outside the offload folder), the model's skip_keys",
     # _update_offload (the checkpoint rewrite) and the re-inferred map are both in 0.11.0 onwards;
-    # measured from 0.17.1 to 0.21.2; not fixed on peft main (checked 2026-11-30).
+    # measured from 0.17.1 to 0.22.0 (survey --run, 2026-12-07); not fixed in 0.22.0, the newest release.
     affects={"peft": ">=0.11.0"},
     targets=(
         Target("peft.peft_model", "PeftModel.from_pretrained",
