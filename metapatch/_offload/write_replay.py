@@ -102,6 +102,17 @@ def tie_partner(module: Any, name: str, placeholder: Any) -> Optional[Tuple[Any,
 MOVING_ONLY = frozenset({"copy_", "fill_", "zero_"})
 
 
+def write_device(hook: Any) -> Any:
+    """Where a write into ``hook``'s offloaded weights runs: its execution device, where the in-memory weight is (the
+    CPU for a hook that computes nothing: accelerate's meta execution device)."""
+    device = compute_device(hook)
+    if device.type == "meta":
+        import torch
+
+        device = torch.device("cpu")
+    return device
+
+
 class Materialised:
     """The stored values of the placeholders one write touches, on their hooks' execution devices (``on_cpu``: in CPU
     memory, for a write that only moves values), and where to keep them (in CPU memory)."""
@@ -121,9 +132,7 @@ class Materialised:
             kept = overlay.kept.get(name)
             # The write runs where the in-memory weight is, the hook's execution device: a random one draws from that
             # device's generator, with the program's other operands where it put them, as in memory.
-            device = torch.device("cpu") if self.on_cpu else compute_device(hook)
-            if device.type == "meta":  # a hook that computes nothing (accelerate's meta execution device)
-                device = torch.device("cpu")
+            device = torch.device("cpu") if self.on_cpu else write_device(hook)
             if not copy and kept is not None and kept.device == device and kept.dtype == placeholder.dtype \
                     and kept.shape == placeholder.shape:
                 value = kept  # written in place: a training loop writes one row per step
@@ -270,10 +279,7 @@ def scratch_like(placeholder: Any, meta_result: Any) -> Any:
     import torch
 
     _, _, hook = owner(placeholder, tied_ok=True)
-    device = compute_device(hook)
-    if device.type == "meta":
-        device = torch.device("cpu")
-    return torch.empty(meta_result.shape, dtype=meta_result.dtype, device=device)
+    return torch.empty(meta_result.shape, dtype=meta_result.dtype, device=write_device(hook))
 
 
 def part(func: Any, index: int, view: Any, *args: Any, **kwargs: Any) -> Any:
