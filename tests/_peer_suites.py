@@ -86,6 +86,34 @@ HUB = re.compile(r"hub_online_once|snapshot_download|[\x22\x27](?:[\w.-]*-intern
                  r"bigscience|meta-llama|openai|microsoft|EleutherAI|Qwen|distilbert|bert-base)[/\w.-]*[\x22\x27]")
 
 
+def _mentions_hub(function, cls, depth=0):
+    """The function's source names the hub, or a module constant it reads holds a hub model id, or a method of its
+    test class it calls does (peft 0.22's TestTaskTypeModulesToSave: ``self.get_model`` loads TASK_TYPE_MODEL_ID)."""
+    try:
+        if HUB.search(inspect.getsource(function)):
+            return True
+    except (OSError, TypeError):
+        pass
+    code = getattr(function, "__code__", None)
+    if code is None or depth > 1:
+        return False
+    module_globals = getattr(function, "__globals__", {})
+    codes, names = [code], set()
+    while codes:  # the function's own names and those of the comprehensions and lambdas inside it
+        current = codes.pop()
+        names.update(current.co_names)
+        codes += [const for const in current.co_consts if inspect.iscode(const)]
+    for name in sorted(names):
+        value = module_globals.get(name)
+        if isinstance(value, str) and HUB.search(repr(value)):
+            return True
+        method = inspect.getattr_static(cls, name, None) if cls is not None else None
+        method = getattr(method, "__func__", method)
+        if inspect.isfunction(method) and method is not function and _mentions_hub(method, cls, depth + 1):
+            return True
+    return False
+
+
 def _needs_hub(item):
     if re.search(r"internal-testing/", item.name):  # a hub model id as the test's parameter
         return True
@@ -93,13 +121,7 @@ def _needs_hub(item):
     info = getattr(item, "_fixtureinfo", None)
     for definitions in (info.name2fixturedefs.values() if info is not None else ()):
         functions += [getattr(definition, "func", None) for definition in definitions]
-    for function in functions:
-        try:
-            if function is not None and HUB.search(inspect.getsource(function)):
-                return True
-        except (OSError, TypeError):
-            continue
-    return False
+    return any(function is not None and _mentions_hub(function, item.cls) for function in functions)
 
 
 def _kept(item):
