@@ -719,3 +719,46 @@ def test_a_wrapped_method_held_bound_by_an_object_copies_as_a_bound_method_does(
     ''')
     assert out == {"state": "applied", "original": 200, "copy": 200, "bound_to_copy": True, "shallow": 200,
                    "shallow_bound_to": True, "function_copies_as_itself": True}
+
+
+def test_on_applied_runs_once_per_application_after_the_swap_and_never_breaks_the_import(world):
+    """``Patch(on_applied=...)``: called with the target module once the patch is in place (so it can adopt what
+    upstream made before, a model dispatched before ``import metapatch``), again after an unpatch and re-install,
+    never for a stale patch; what it raises is logged and the import goes on."""
+    adopting = PATCHES["p_compute"].replace("PATCH = Patch(", '''
+CALLS = []
+def _adopt(module):
+    CALLS.append((module.__name__, module.compute(2)))  # the wrapper is in place already
+    if len(CALLS) == 2:
+        raise ValueError("adoption failed")
+
+PATCH = Patch(on_applied=_adopt,''')
+    out = world(patches={"p_compute": adopting})('''
+        import fakelib.core
+        reg = Registry(load_patches("fakepatches")); reg.install()
+        from fakepatches.p_compute import CALLS
+        first = list(CALLS)
+        reg.status()  # asking again applies nothing again
+        after_status = list(CALLS)
+        reg.unpatch(); reg.install(["fake-compute"])
+        print(json.dumps({"first": first, "after_status": after_status, "calls": CALLS, "states": states(reg),
+                          "compute": fakelib.core.compute(2)}))
+    ''')
+    assert out["first"] == out["after_status"] == [["fakelib.core", 21]]
+    assert out["calls"] == [["fakelib.core", 21], ["fakelib.core", 21]]  # the second raised: logged, still applied
+    assert out["states"]["fake-compute"] == "applied" and out["compute"] == 21
+
+
+def test_on_applied_is_not_called_for_a_stale_patch(world, tmp_path):
+    adopting = PATCHES["p_compute"].replace("PATCH = Patch(", '''
+CALLS = []
+PATCH = Patch(on_applied=lambda module: CALLS.append(module.__name__),''')
+    fingerprints = {"fakelib.core:compute": "0000000000000000", "fakelib.core:Thing.method": "0",
+                    "fakelib.core:Thing.helper": "0"}
+    out = world(patches={"p_compute": adopting}, fingerprints=fingerprints)('''
+        import fakelib.core
+        reg = Registry(load_patches("fakepatches")); reg.install()
+        from fakepatches.p_compute import CALLS
+        print(json.dumps({"calls": CALLS, "states": states(reg)}))
+    ''')
+    assert out["states"]["fake-compute"] == "stale" and out["calls"] == []

@@ -232,24 +232,32 @@ class Registry:
 
         messages: List[Tuple[Any, str]] = []  # (key, message): warned once the lock is released
         problem: Optional[MetapatchError] = None
+        became_applied = False
         for _attempt in range(5):
             with self._lock:
                 status = self._status.get(patch.id)
                 if status is None or status.state not in (State.PENDING_IMPORT, State.APPLIED):
                     return
                 gate = status.gate
+                was_applied = status.state is State.APPLIED
             if gate is None:
                 gate = self.gate(patch)
             try:
                 swaps, trouble = plan(patch, module, status, gate)
                 with self._lock:
                     problem = self._commit(patch, status, gate, swaps, trouble, late, messages)
+                    became_applied = not was_applied and status.state is State.APPLIED
                 break
             except Retry:  # another thread changed the target or the status meanwhile: again
                 continue
         skip = {m.partition(".")[0] for m in patch.modules}  # frames of the patched library are not the user's
         for key, message in messages:
             self._warn_once(key, message, skip)
+        if became_applied and patch.on_applied is not None:
+            try:
+                patch.on_applied(module)
+            except Exception as exc:  # noqa: BLE001 - the patch is in place; what it adopts late is its own
+                _logger().exception("metapatch: %s: adopting what existed before it applied failed: %s", patch.id, exc)
         if problem is not None:
             raise problem
 

@@ -16,7 +16,8 @@ of its loader). Here each answer is written once:
 * :func:`execution_device`, :func:`compute_device`: the ``torch.device`` a hook names as its execution device
   (accelerate's int ``i`` is the accelerator's device ``i``), and the one it loads its module's tensors onto for a
   forward (the CPU where it names none), where the in-memory model holds them;
-* :func:`attached_hook`, :func:`hooked` (``hooked_as_accelerate_asks``: ``hasattr``, as accelerate asks),
+* :func:`attached_hook`, :func:`hooked` (``hooked_as_accelerate_asks``: ``hasattr``, as accelerate asks;
+  :func:`hooked_modules_alive`: every hooked module of the process, for a patch applied late),
   :func:`weights_map_of`: the raw reads everyone else makes through here, and the two writes metapatch
   makes to a hook's state, :func:`attach` (a ``SequentialHook`` in place of the attached hook) and
   :func:`serve_from` (an ``Overlay`` in front of its weights map).
@@ -55,6 +56,21 @@ def hooked_as_accelerate_asks(module: Any) -> bool:
     forwards attribute look-ups (PEFT's models) answers for the model it wraps. For code that must decide
     as accelerate decides."""
     return hasattr(module, "_hf_hook")
+
+
+def hooked_modules_alive() -> List[Any]:
+    """Every live torch module accelerate attached a hook to itself, found among the garbage collector's objects:
+    for a patch applied after models were dispatched (``import metapatch`` after ``from_pretrained(device_map=...)``),
+    whose hooks it never saw attached. A walk of every tracked object: asked once per late application, never on a
+    hot path."""
+    torch = sys.modules.get("torch")
+    if torch is None or _hooks_module() is None:
+        return []
+    import gc
+
+    module_type = torch.nn.Module
+    # type(), not isinstance(): isinstance reads __class__, which some deprecated proxies warn about
+    return [obj for obj in gc.get_objects() if issubclass(type(obj), module_type) and hooked(obj)]
 
 
 def attach(module: Any, hook: Any) -> None:

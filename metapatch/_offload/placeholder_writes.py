@@ -40,12 +40,14 @@ import sys
 import weakref
 from typing import Any, Dict, List
 
-from metapatch._offload.hook_state import weights_map_of
+from metapatch._offload.hook_state import CPU, hooked_modules_alive, locate, offload_hooks, weights_map_of
 from metapatch._offload.placeholder_classes import CLASSES, placeholder_class, quantized_placeholder_class
 from metapatch._offload.placeholder_quiet import LOUD, QUIET
-from metapatch._offload.store import NOT_A_PAIR, TIED_MARK
+from metapatch._offload.store import NOT_A_PAIR, TIED_MARK, TIES_UNKNOWN
 from metapatch._offload.write_replay import PARTNERS, SLOT
 
+# On a module: whether its tied weights were looked for (note_ties at its hook's init_hook, or adopt_hooked_before)
+TIES_NOTED = "_metapatch_ties_noted"
 # [WeakIdKeyDictionary: tensor -> [(weakref to a hooked module holding it when its hook was attached, its name there,
 # whether that hook offloads, weakref to the module whose _parameters hold it, the local name)]], built on first use
 _SEEN: List[Any] = []
@@ -59,6 +61,7 @@ def note_ties(module: Any, hook: Any) -> None:
     hooks. A tie with a third member, or with a module kept in memory, is marked ``NOT_A_PAIR`` on its offloaded
     members: a write into their placeholder raises, since it could not reach every copy."""
     offloading = getattr(hook, "offload", False)
+    module.__dict__[TIES_NOTED] = True
     from torch.utils.weak import WeakIdKeyDictionary
 
     if not _SEEN:
@@ -88,6 +91,60 @@ def note_ties(module: Any, hook: Any) -> None:
             for other, held in [(o, h) for o, h, offloaded in holders if offloaded] + ([(module, name)] if offloading
                                                                                       else []):
                 other.__dict__[NOT_A_PAIR] = frozenset(other.__dict__.get(NOT_A_PAIR, ())) | {held}
+
+
+def adopt_hooked_before() -> int:
+    """The offload hooks attached before this mechanism was in place (a model dispatched, then ``import metapatch``):
+    their placeholders are plain meta tensors, and a write into one vanishes, silently, as upstream. Each is marked
+    now, as :func:`mark` after ``init_hook`` would have; returns how many modules were adopted.
+
+    Which of their weights are tied, :func:`note_ties` never saw. Where ``dispatch_model`` made the hooks, accelerate
+    recorded it (``tied_params_names``, which :func:`metapatch._offload.store.tied_name` reads: a write into a tied
+    one is refused). Otherwise (``cpu_offload``, hooks attached by hand) two offloaded weights served from one tensor
+    in memory are one tied pair (``cpu_offload``'s state dict holds a tied weight under both names), recorded as
+    :func:`note_ties` records one, so a write is kept for both; three or more are refused; and a weight whose stored
+    value cannot be compared (on disk: each name its own file) is refused too (``TIES_UNKNOWN``), since keeping a
+    write into one copy of a tie would leave the other with the old value."""
+    adopted = [(module, hook) for module in hooked_modules_alive() if not module.__dict__.get(TIES_NOTED)
+               for hook in offload_hooks(module) if weights_map_of(hook) is not None]
+    sharing: Dict[Any, List[Any]] = {}
+    for module, hook in adopted:
+        module.__dict__[TIES_NOTED] = True
+        if getattr(hook, "tied_params_map", None) is not None:
+            continue  # dispatch_model's hooks: accelerate's own record of their ties
+        named = module.named_parameters() if getattr(hook, "place_submodules", False) else module._parameters.items()
+        for name, param in list(named):
+            if param is None or not param.is_meta:
+                continue
+            stored = _stored_identity(weights_map_of(hook), name)
+            if stored is None:
+                module.__dict__[TIES_UNKNOWN] = frozenset(module.__dict__.get(TIES_UNKNOWN, ())) | {name}
+                module.__dict__[NOT_A_PAIR] = frozenset(module.__dict__.get(NOT_A_PAIR, ())) | {name}
+            else:
+                sharing.setdefault(stored, []).append((module, name))
+    for members in sharing.values():
+        if len(members) == 2:
+            (module, name), (other, other_name) = members
+            record_tie(module, name, other, other_name)
+        elif len(members) > 2:
+            for module, name in members:
+                module.__dict__[NOT_A_PAIR] = frozenset(module.__dict__.get(NOT_A_PAIR, ())) | {name}
+    for module, hook in adopted:
+        mark(module, hook)
+    return len(adopted)
+
+
+def _stored_identity(weights_map: Any, name: str) -> Any:
+    """What tells the tensor stored for ``name`` apart from every other (its memory and layout), where it is held in
+    memory; None on disk or in a store that cannot be looked into."""
+    found = locate(weights_map, name)
+    if found is None or found.store != CPU:
+        return None
+    tensor = found.entry
+    if getattr(tensor, "is_meta", True) or not hasattr(tensor, "untyped_storage"):
+        return None
+    return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()),
+            tensor.dtype)
 
 
 def _slot_of(module: Any, name: str) -> Any:

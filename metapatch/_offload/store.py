@@ -100,6 +100,10 @@ TIED_MARK = "_metapatch_tied_tensors"  # on a module: names of its tensors tied 
 # On a module: names of its offloaded tensors tied to more than one other module's, or to one kept in memory
 # (metapatch._offload.placeholder_writes.note_ties): a write into one cannot reach every copy.
 NOT_A_PAIR = "_metapatch_tie_not_a_pair"
+# On a module: names (also in NOT_A_PAIR) of offloaded tensors whose ties metapatch could not learn: their hook was
+# attached before metapatch was imported, and the store holds them where two copies cannot be told to be one tensor
+# (metapatch._offload.placeholder_writes.adopt_hooked_before).
+TIES_UNKNOWN = "_metapatch_ties_unknown"
 
 
 def tied_name(module: Any, hook: Any, name: str) -> bool:

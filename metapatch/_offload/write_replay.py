@@ -23,7 +23,7 @@ from typing import Any, Dict, Optional, Tuple
 from metapatch._framework.records import MetapatchError
 from metapatch._offload.hook_state import compute_device, offload_hook
 from metapatch._offload.offloaded_weights import OffloadedWriteError
-from metapatch._offload.store import NOT_A_PAIR, convert, overlay_of, tied_name
+from metapatch._offload.store import NOT_A_PAIR, TIES_UNKNOWN, convert, overlay_of, tied_name
 
 SLOT = "_metapatch_placeholder_of"  # in a marked placeholder's __dict__: (weakref to module, local dotted name)
 ALIAS = "_metapatch_entry_of"  # in a state_dict() entry's __dict__: the marked placeholder it aliases
@@ -68,6 +68,11 @@ def owner(placeholder: Any, tied_ok: bool = False) -> Tuple[Any, str, Any]:
     if hook is None:
         raise write_error(f"metapatch: a write into {describe(module, name)}, a meta placeholder no accelerate offload "
                      f"hook serves any more: the value would go nowhere.")
+    if not tied_ok and name in module.__dict__.get(TIES_UNKNOWN, ()):
+        raise write_error(f"metapatch: a write into {describe(module, name)}, an offloaded weight whose offload hook was "
+                          f"attached before metapatch was imported, from a store where metapatch cannot tell whether it "
+                          f"is tied to another module's weight: keeping the write for this copy alone could leave a "
+                          f"tied copy with the old value. Import metapatch before loading or dispatching the model.")
     if not tied_ok and tied_name(module, hook, name) and tie_partner(module, name, placeholder) is None:
         raise write_error(f"metapatch: a write into {describe(module, name)}, an offloaded weight tied to other "
                      f"modules' in a way metapatch cannot follow (more than one other module, one kept in memory, or "

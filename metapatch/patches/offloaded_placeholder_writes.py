@@ -56,8 +56,12 @@ rebuilds quantized parameters by class name): a write into its packed bytes (``w
 ``copy_`` of packed bytes) is replayed on the stored bytes, and the next forward serves them with the layer's quant
 state, which no write here changes (``bnb-cpu-repack-copy`` rebuilds its repacked copy after a kept write).
 
-Not seen: into placeholders of hooks attached before metapatch was imported until their next forward, and a
-forward's write through ``.data`` of what it loaded.
+Hooks attached before metapatch was imported (a model dispatched, then ``import metapatch``) are found when the
+patch applies (a walk of the garbage collector's objects, only then) and their placeholders marked; which of their
+weights are tied metapatch did not see: accelerate's record where ``dispatch_model`` made the hooks, weights served
+from one tensor in memory (``cpu_offload``) as a pair, and a write into any other weight of such a hook held on disk
+is refused (``OffloadedWriteError``: import metapatch first). Not seen: a forward's write through ``.data`` of what
+it loaded.
 A parametrization registered on an offloaded module
 (``weight_norm``, ``spectral_norm``, ``orthogonal``) takes the placeholder as its original: upstream the module
 then computes with meta values, silently wrong (``weight_norm``, ``spectral_norm``: logits off by 1e11 and more on
@@ -121,6 +125,17 @@ def _after_post_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) 
     return result
 
 
+def _adopt_hooks_attached_before(hooks_module: Any) -> None:
+    # Applied while accelerate.hooks still executes (metapatch imported first, the usual way): no hook exists yet.
+    # Applied later (``import metapatch`` after a model was dispatched): its placeholders are marked now, not at
+    # their next forward, so a write before that forward is kept or refused too.
+    if getattr(getattr(hooks_module, "__spec__", None), "_initializing", False):
+        return
+    from metapatch._offload.placeholder_writes import adopt_hooked_before
+
+    adopt_hooked_before()
+
+
 PATCH = Patch(
     id=PATCH_ID,
     title="A write into an offloaded weight between forwards (.data, torch.nn.init, in place under no_grad, the "
@@ -146,6 +161,7 @@ PATCH = Patch(
                wrapper=_after_post_forward),
     ),
     wraps_over=("offloaded-move-guard",),
+    on_applied=_adopt_hooks_attached_before,
     upstream=Upstream(
         bug=("https://github.com/huggingface/diffusers/issues?q=textual+inversion+cpu_offload",),
         forwarded="no",

@@ -93,18 +93,11 @@ def _record(module: Any) -> None:
 def _scan_for_hooked_modules() -> None:
     """Modules hooked before the patch applied (metapatch imported after the model was dispatched): looked for
     once, and only when an optimizer holds a meta parameter without a gradient."""
-    import gc
-
-    import torch
-
-    from metapatch._offload.hook_state import hooked
+    from metapatch._offload.hook_state import hooked_modules_alive
 
     _State.scanned = True
-    module_type = torch.nn.Module
-    for obj in gc.get_objects():
-        # type(), not isinstance(): isinstance reads __class__, which some deprecated proxies warn about
-        if issubclass(type(obj), module_type) and hooked(obj):
-            _record(obj)
+    for module in hooked_modules_alive():
+        _record(module)
 
 
 def _served() -> List[Tuple[str, Any]]:
