@@ -28,8 +28,9 @@ and the gradient never reaches the program's object; a step over it raises too.
 Left alone: an optimizer with no such parameter (nothing offloaded, a frozen offloaded base under PEFT adapters,
 an optimizer built over a model on meta that ``to_empty()`` materialised: byte-equal updates, the pre-hook returns
 without touching anything); a meta parameter that has a gradient (a shape-only dry run on meta). Not seen: an
-optimizer built before metapatch was imported noted nothing (only placeholders still served at its step count),
-and a hand-written update loop (``param -= lr * param.grad``) calls no optimizer (its offloaded parameters have no
+optimizer built before metapatch was imported and stepped after a forward that ran before the import (its
+placeholders were replaced before the patch could note them; one built before the import is noted when the patch
+applies), and a hand-written update loop (``param -= lr * param.grad``) calls no optimizer (its offloaded parameters have no
 gradient, so it skips them).
 """
 
@@ -206,6 +207,29 @@ def _recording(original: Any) -> Any:
     return add_hook_to_module
 
 
+def _adopt_optimizers_built_before(module: Any) -> None:
+    """Applied after a model was dispatched (``import metapatch`` late): an optimizer built before took placeholders
+    that no ``add_param_group`` of ours noted, and the first forward replaces them (the optimizer keeps the old ones,
+    which no hook serves from then on), so its step would go unrefused. Each live optimizer's trainable placeholders
+    still served now are noted, as its ``add_param_group`` would have (one walk of the garbage collector's objects,
+    on a late application only)."""
+    if getattr(getattr(module, "__spec__", None), "_initializing", False):
+        return  # applied while accelerate.hooks executes: no offload hook, so no placeholder, existed before
+    import torch
+
+    optimizer_type = torch.optim.Optimizer
+    for optimizer in _live(optimizer_type):
+        for group in list(optimizer.param_groups):
+            _note_placeholders(list(group["params"]))
+
+
+def _live(cls: Any) -> List[Any]:
+    import gc
+
+    # type(), not isinstance(): isinstance reads __class__, which some deprecated proxies warn about
+    return [obj for obj in gc.get_objects() if issubclass(type(obj), cls)]
+
+
 def _add_param_group(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     result = wrapped(*args, **kwargs)
     if _OFFLOADING or not _State.scanned:  # no offload hook seen: nothing can be a placeholder
@@ -235,6 +259,7 @@ PATCH = Patch(
                fingerprints=("ae38374cfcc9bc26", "94008ee5b51f3e96", "6460aa1b3890d5ee", "af6056fb81f6bc5b"),
                wrapper=_add_param_group),
     ),
+    on_applied=_adopt_optimizers_built_before,
     upstream=Upstream(
         bug=("https://github.com/huggingface/accelerate/issues?q=offload+training+gradient+meta",),
         forwarded="no",

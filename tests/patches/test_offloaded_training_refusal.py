@@ -276,3 +276,48 @@ def test_imported_after_dispatch_refuses_and_unpatch_turns_it_off(tmp_path):
     assert lines[0].startswith("refused: ") and "1.weight, 1.bias" in lines[0], lines
     assert lines[1] == "stepped", lines
     assert lines[2].startswith("refused: "), lines
+
+
+OPTIMIZER_BEFORE = r"""
+import os, sys, tempfile, torch
+from accelerate import dispatch_model
+from accelerate.utils import offload_state_dict
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+folder = tempfile.mkdtemp()
+offload_state_dict(folder, {k: v for k, v in model.state_dict().items() if k.startswith("1.")})
+dispatch_model(model, device_map={"0": "cpu", "1": "disk"}, offload_dir=folder)
+optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)  # takes the placeholders the hooks serve now
+import metapatch  # after both: no add_param_group of the patch saw the placeholders
+head = [p.clone() for p in model[0].parameters()]
+model(torch.randn(2, 8)).sum().backward()  # the forward puts new placeholders in place: the optimizer keeps the old
+try:
+    optimizer.step()
+    print("stepped", any(not torch.equal(a, b) for a, b in zip(head, model[0].parameters())))
+except metapatch.MetapatchError as error:
+    print("refused: " + str(error).split(". Between")[0])
+"""
+
+
+@in_range
+@pytest.mark.parametrize("patched", [True, False])
+def test_an_optimizer_built_before_a_late_import_is_refused(tmp_path, patched):
+    """The optimizer was built over a dispatched model before ``import metapatch``: the patch notes its placeholders
+    when it applies, so the step after a forward is refused by name; without the patch it steps, training only the
+    layer in memory (silently leaving the offloaded one untrained)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("METAPATCH_")}  # the late import warns
+    if not patched:
+        env["METAPATCH_DISABLE"] = PATCH.id
+    run = subprocess.run([sys.executable, "-c", OPTIMIZER_BEFORE], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    line = run.stdout.strip().splitlines()[-1]
+    if patched:
+        assert line.startswith("refused: ") and "1.weight, 1.bias" in line, line
+    else:
+        assert line == "stepped True", line
