@@ -15,9 +15,34 @@ def cuda_devices() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def _patch_not_installed(module) -> str:
+    """Why the patches a test module tests (the records it imports) cannot run here: a distribution one of them
+    patches is not installed (bitsandbytes or peft in a minimal environment), as ``metapatch selftest`` says and
+    skips; '' otherwise."""
+    from metapatch._framework.records import Patch
+
+    patches = [value for value in vars(module).values() if isinstance(value, Patch)]
+    if not patches:
+        return ""
+    import metapatch
+
+    for patch in patches:
+        affected, why = metapatch.registry.gate(patch)[:2]
+        if not affected and why.endswith(" is not installed"):
+            return why
+    return ""
+
+
 def pytest_collection_modifyitems(config, items):
     have = cuda_devices()
+    missing = {}
     for item in items:
+        module = getattr(item, "module", None)
+        if module is not None and module.__name__ not in missing:
+            missing[module.__name__] = _patch_not_installed(module)
+        why = missing.get(getattr(module, "__name__", None), "")
+        if why:
+            item.add_marker(pytest.mark.skip(reason=f"{why} (the patch's library: nothing of it can run here)"))
         marker = item.get_closest_marker("gpu")
         if marker is not None:
             need = marker.kwargs.get("count", marker.args[0] if marker.args else 1)
