@@ -136,6 +136,9 @@ def _install_stack(session, versions, editable=True):
     if editable:
         session.install("-e", ".")  # with its own dependencies (wrapt, packaging); the stack is pinned above
     session.env["METAPATCH_STRICT"] = "1"
+    # Every patched library is installed here: a test module whose patch's library is missing fails the run instead
+    # of being skipped (tests/conftest.py), so a broken install never passes as a shorter run.
+    session.env["METAPATCH_TESTS_EVERY_LIBRARY"] = "1"
     # One intra-op thread per process: two workers (or lanes) on two cores, each starting interpreters that
     # run tiny models, where torch's thread per core spins while it waits (measured: 30-40 % less wall time
     # for a patch's scenarios at two jobs). Every comparison is made within one process, so the numbers the

@@ -104,13 +104,31 @@ def test_the_fixing_patch_ranks_first_with_its_evidence(flow: str) -> None:
     from metapatch.commands import explain as command
 
     found = command.match((TRACEBACKS / f"{flow}.txt").read_text())
-    first = found["candidates"][0]
-    assert first.patch == FIRST[flow], [(c.patch, c.score, c.reasons) for c in found["candidates"]]
-    assert first.reasons and all(isinstance(r, str) and r for r in first.reasons)
-    scores = [c.score for c in found["candidates"]]
+    candidates = found["candidates"]
+    shown = [(c.patch, c.score, c.reasons) for c in candidates]
+    scores = [c.score for c in candidates]
     assert scores == sorted(scores, reverse=True)
-    if len(scores) > 1:
-        assert scores[0] > scores[1], "the first patch must be ranked, not tied"
+    top = [c for c in candidates if c.score == scores[0]]
+    assert FIRST[flow] in [c.patch for c in top], shown
+    first = next(c for c in top if c.patch == FIRST[flow])
+    assert first.reasons and all(isinstance(r, str) and r for r in first.reasons)
+    if len(top) > 1:
+        # A tie only between patches whose reproducers fail with this very error on the installed versions
+        # (accelerate 1.15 has a second bug that raises the tied split's KeyError): the error alone cannot tell them
+        # apart, and the command shows both first.
+        here = "fails with this error on the installed versions"
+        assert all(any(here in reason for reason in c.reasons) for c in top), shown
+
+
+def test_a_report_matched_only_by_the_hook_around_every_offloaded_forward_is_not_shown() -> None:
+    """accelerate's ``pre_forward``/``new_forward`` are on every offloaded forward's traceback: a corpus report must
+    match by its error text or by a frame that says something (the textual inversion report, whose patch replaces
+    ``pre_forward``, was shown for the tied split's KeyError and ranked its patch first on accelerate 1.15)."""
+    from metapatch.commands import explain as command
+
+    found = command.match((TRACEBACKS / "tied_map_split.txt").read_text())
+    assert "diffusers-3922-textual-inversion-sequential-offload" not in [r.id for r in found["reports"]]
+    assert found["reports"], "the tied split still has its report (by its error text)"
 
 
 def test_json_output_ranks_candidates_with_reasons_and_evidence(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from . import UsageError
-from ._explain_evidence import Traceback, module_of, parse, rank
+from ._explain_evidence import UBIQUITOUS_FRAMES, Traceback, module_of, parse, rank
 
 HELP = ("read a traceback (a file, or - for stdin) and rank the metapatch patches that fix it, each with the "
         "evidence for it, plus the public reports with the same mechanism and what to do")
@@ -46,8 +46,11 @@ def frames(text: str) -> List[Tuple[str, str]]:
 
 
 def _frame_hit(dotted: str, seen: Sequence[Tuple[str, str]]) -> bool:
+    """Whether the traceback passes through ``dotted``; never for a frame every offloaded forward passes through
+    (accelerate's hook around each forward): a report matched by it alone would be any offload traceback's."""
     module, _, qualname = dotted.partition(":")
-    return (module, qualname.split(".")[-1]) in seen
+    key = (module, qualname.split(".")[-1])
+    return key in seen and key not in UBIQUITOUS_FRAMES
 
 
 def _reports(text: str, seen: Sequence[Tuple[str, str]], records: Dict[str, Any]) -> List[Any]:
