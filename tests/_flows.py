@@ -27,9 +27,10 @@ kernels on the same CPU; bnb-cpu-repack-copy keeps both sides' stored bytes in t
 
 The CI run is ``tests/test_flows.py`` (derandomized, a few examples). The long run, a command::
 
-    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python tests/_flows.py --examples 200 --steps 10 [--inits all] [--derandomize] [--quantized]
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python tests/_flows.py --examples 200 --steps 10 [--inits all] [--derandomize] [--quantized] [--late]
 
-prints the wall time of every sequence (hypothesis' shrinking replays included) and in all, how many sequences
+(``--late``: the offloaded model is loaded while ``offloaded-placeholder-writes`` is off, which then applies and adopts
+its hooks, as with ``import metapatch`` after loading) prints the wall time of every sequence (hypothesis' shrinking replays included) and in all, how many sequences
 and steps ran, how many the offloaded side refused, and every failure hypothesis found, shrunk.
 """
 
@@ -58,6 +59,7 @@ LINEAR_TARGETS = ("q_proj", "v_proj", "o_proj", "down_proj")
 # --inits all. PiSSA's and OLoRA's residual writes into offloaded base weights are kept by the offload store now.
 OPEN_INITS: tuple = ()
 INITS = (False, True, "gaussian", "pissa", "olora")
+LATE: List[bool] = []  # [True] with --late (main)
 STATS: Dict[str, int] = {"sequences": 0, "steps": 0, "refused": 0, "reference_failed": 0}
 # One entry per sequence run, in order: its wall time (from the first load to the teardown's checks), its steps,
 # and how it ended ("ran", "refused", "reference failed", "failed").
@@ -315,9 +317,20 @@ def make_machine(inits: tuple = INITS, quantized: bool = False):
             STATS["sequences"] += 1
 
         def _load_offloaded(self) -> Any:
+            self.loads += 1
+            if not LATE or self.loads > 1:
+                return self._dispatched()
+            # --late: the hooks are attached while offloaded-placeholder-writes is off, as when metapatch is imported
+            # after the model was loaded; the patch then applies and adopts them (its on_applied)
+            metapatch.unpatch("offloaded-placeholder-writes")
+            try:
+                return self._dispatched()
+            finally:
+                metapatch.install(["offloaded-placeholder-writes"])
+
+        def _dispatched(self) -> Any:
             from transformers import LlamaForCausalLM
 
-            self.loads += 1
             folder = self.work / f"offload{self.loads}"
             if self.quant is not None:
                 # the map given as device_map="auto" resolving to it: given as an explicit map with
@@ -704,7 +717,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--inits", choices=["ci", "all"], default="all")
     parser.add_argument("--derandomize", action="store_true", help="the same sequences every run")
     parser.add_argument("--quantized", action="store_true", help="bitsandbytes 4-bit models (needs bitsandbytes)")
+    parser.add_argument("--late", action="store_true",
+                        help="the offloaded model is loaded with offloaded-placeholder-writes off, which then applies "
+                             "(as with import metapatch after loading): its hooks are adopted")
     args = parser.parse_args(argv)
+    LATE[:] = [True] if args.late else []
     inits = INITS + (OPEN_INITS if args.inits == "all" else ())
     machine = make_machine(inits, quantized=args.quantized)
     machine.TestCase.settings = settings(max_examples=args.examples, stateful_step_count=args.steps, deadline=None,
@@ -720,7 +737,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(line)
     print(f"flows: {STATS['sequences']} sequences, {STATS['steps']} steps ({STATS['refused']} refused with "
           f"MetapatchError, {STATS['reference_failed']} where the in-memory model itself raised), "
-          f"{time.monotonic() - started:.1f} s in all, inits {inits}" + (", 4-bit" if args.quantized else ""))
+          f"{time.monotonic() - started:.1f} s in all, inits {inits}" + (", 4-bit" if args.quantized else "")
+          + (", hooks adopted late" if args.late else ""))
     if failure is not None:
         for found in getattr(failure, "exceptions", [failure]):  # hypothesis reports distinct failures as a group
             print(f"FOUND: {type(found).__name__}: {found}")

@@ -58,19 +58,18 @@ def hooked_as_accelerate_asks(module: Any) -> bool:
     return hasattr(module, "_hf_hook")
 
 
-def hooked_modules_alive() -> List[Any]:
-    """Every live torch module accelerate attached a hook to itself, found among the garbage collector's objects:
-    for a patch applied after models were dispatched (``import metapatch`` after ``from_pretrained(device_map=...)``),
-    whose hooks it never saw attached. A walk of every tracked object: asked once per late application, never on a
-    hot path."""
-    torch = sys.modules.get("torch")
-    if torch is None or _hooks_module() is None:
+def hooked_modules_alive(modules: Optional[List[Any]] = None) -> List[Any]:
+    """Every live torch module accelerate attached a hook to itself (among ``modules``, or every live one: a walk of
+    the garbage collector's objects), for a patch applied after models were dispatched (``import metapatch`` after
+    ``from_pretrained(device_map=...)``), whose hooks it never saw attached. Asked once per late application, never
+    on a hot path."""
+    if _hooks_module() is None:
         return []
-    import gc
+    if modules is None:
+        from metapatch._offload.module_walk import live_modules
 
-    module_type = torch.nn.Module
-    # type(), not isinstance(): isinstance reads __class__, which some deprecated proxies warn about
-    return [obj for obj in gc.get_objects() if issubclass(type(obj), module_type) and hooked(obj)]
+        modules = live_modules()
+    return [module for module in modules if hooked(module)]
 
 
 def attach(module: Any, hook: Any) -> None:

@@ -1,4 +1,5 @@
-"""The one walk of a module tree that metapatch's hot paths share.
+"""The one walk of a module tree that metapatch's hot paths share (and, off them, every live module and the models
+among them: :func:`live_modules`, :func:`roots`).
 
 ``torch.nn.Module.named_modules`` nests one generator per level (its cost grows with depth for every
 module) and keeps its memo by hashing modules, which fails for a module class that defines ``__eq__``
@@ -10,6 +11,7 @@ Import-cheap: nothing from torch.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Iterable, List, Tuple
 
 
@@ -61,3 +63,24 @@ def submodule(root: Any, path: str) -> Any:
                 return root.get_submodule(path)
             module = child
     return module
+
+
+def live_modules() -> List[Any]:
+    """Every torch module alive in the process, found among the garbage collector's objects: for what must look at
+    models it was never handed (a patch applied after a model was dispatched). A walk of every tracked object: never
+    on a hot path."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return []
+    import gc
+
+    module_type = torch.nn.Module
+    # type(), not isinstance(): isinstance reads __class__, which some deprecated proxies warn about
+    return [obj for obj in gc.get_objects() if issubclass(type(obj), module_type)]
+
+
+def roots(modules: Iterable[Any]) -> List[Any]:
+    """The modules of ``modules`` that are no other one's child (the models, of a list of every live module)."""
+    modules = list(modules)
+    children = {id(child) for module in modules for child in module._modules.values() if child is not None}
+    return [module for module in modules if id(module) not in children]

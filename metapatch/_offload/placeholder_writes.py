@@ -38,12 +38,14 @@ from __future__ import annotations
 import itertools
 import sys
 import weakref
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
-from metapatch._offload.hook_state import CPU, hooked_modules_alive, locate, offload_hooks, weights_map_of
+from metapatch._offload.hook_state import CPU, DISK, hooked_modules_alive, locate, offload_hooks, weights_map_of
+from metapatch._offload.module_walk import live_modules, named_modules, roots
 from metapatch._offload.placeholder_classes import CLASSES, placeholder_class, quantized_placeholder_class
 from metapatch._offload.placeholder_quiet import LOUD, QUIET
 from metapatch._offload.store import NOT_A_PAIR, TIED_MARK, TIES_UNKNOWN
+from metapatch._offload.tied_members import tied_groups
 from metapatch._offload.write_replay import PARTNERS, SLOT
 
 # On a module: whether its tied weights were looked for (note_ties at its hook's init_hook, or adopt_hooked_before)
@@ -98,53 +100,106 @@ def adopt_hooked_before() -> int:
     their placeholders are plain meta tensors, and a write into one vanishes, silently, as upstream. Each is marked
     now, as :func:`mark` after ``init_hook`` would have; returns how many modules were adopted.
 
-    Which of their weights are tied, :func:`note_ties` never saw. Where ``dispatch_model`` made the hooks, accelerate
-    recorded it (``tied_params_names``, which :func:`metapatch._offload.store.tied_name` reads: a write into a tied
-    one is refused). Otherwise (``cpu_offload``, hooks attached by hand) two offloaded weights served from one tensor
-    in memory are one tied pair (``cpu_offload``'s state dict holds a tied weight under both names), recorded as
-    :func:`note_ties` records one, so a write is kept for both; three or more are refused; and a weight whose stored
-    value cannot be compared (on disk: each name its own file) is refused too (``TIES_UNKNOWN``), since keeping a
-    write into one copy of a tie would leave the other with the old value."""
-    adopted = [(module, hook) for module in hooked_modules_alive() if not module.__dict__.get(TIES_NOTED)
+    Which of their weights are tied, :func:`note_ties` never saw (the hooks split every tie into one placeholder
+    each), so each is decided from what is left, and refused where that cannot tell (a write kept for one copy of a tie
+    would leave the other with the old value):
+
+    * a tie the model declares (transformers' ``all_tied_weights_keys``, :func:`tied_groups`) between two offloaded
+      weights whose stores hold one tensor (one storage in memory, one index entry on disk) is a pair, recorded as
+      :func:`note_ties` records one (a write is kept for both); any other declared tie (a member kept in memory,
+      three or more, or stores that cannot be compared: one in memory, one on disk) is refused (``NOT_A_PAIR``);
+    * undeclared, two offloaded weights served from one tensor in memory (``cpu_offload``'s state dict holds a tied
+      weight under both names) are a pair, three or more refused;
+    * the rest is untied where ``dispatch_model`` made the hooks (accelerate's own record of the ties it found,
+      ``tied_params_names``, which :func:`metapatch._offload.store.tied_name` reads), and refused where it did not
+      and the weight is on disk (``TIES_UNKNOWN``: nothing left says whether it was tied)."""
+    everything = live_modules()
+    adopted = [(module, hook) for module in hooked_modules_alive(everything) if not module.__dict__.get(TIES_NOTED)
                for hook in offload_hooks(module) if weights_map_of(hook) is not None]
-    sharing: Dict[Any, List[Any]] = {}
+    if not adopted:
+        return 0
+    stores: Dict[Tuple[int, str], Any] = {}  # (id(module), name) -> where its value is stored
     for module, hook in adopted:
         module.__dict__[TIES_NOTED] = True
-        if getattr(hook, "tied_params_map", None) is not None:
-            continue  # dispatch_model's hooks: accelerate's own record of their ties
         named = module.named_parameters() if getattr(hook, "place_submodules", False) else module._parameters.items()
         for name, param in list(named):
-            if param is None or not param.is_meta:
-                continue
-            stored = _stored_identity(weights_map_of(hook), name)
-            if stored is None:
-                module.__dict__[TIES_UNKNOWN] = frozenset(module.__dict__.get(TIES_UNKNOWN, ())) | {name}
-                module.__dict__[NOT_A_PAIR] = frozenset(module.__dict__.get(NOT_A_PAIR, ())) | {name}
-            else:
-                sharing.setdefault(stored, []).append((module, name))
+            if param is not None and param.is_meta:
+                stores[(id(module), name)] = (module, name, hook, _stored_identity(weights_map_of(hook), name))
+    decided = _declared_ties(stores, roots(everything))
+    sharing: Dict[Any, List[Any]] = {}
+    for key, (module, name, hook, stored) in stores.items():
+        if key in decided:
+            continue
+        if stored is not None and stored[0] == CPU:
+            sharing.setdefault(stored, []).append((module, name))
+        elif getattr(hook, "tied_params_map", None) is None:
+            _refuse(module, name, unknown=True)
     for members in sharing.values():
         if len(members) == 2:
             (module, name), (other, other_name) = members
             record_tie(module, name, other, other_name)
         elif len(members) > 2:
             for module, name in members:
-                module.__dict__[NOT_A_PAIR] = frozenset(module.__dict__.get(NOT_A_PAIR, ())) | {name}
+                _refuse(module, name)
     for module, hook in adopted:
         mark(module, hook)
     return len(adopted)
 
 
+def _declared_ties(stores: Dict[Tuple[int, str], Any], models: List[Any]) -> set:
+    """The ties the models holding adopted modules declare, decided (see :func:`adopt_hooked_before`); returns the
+    keys of ``stores`` they decided."""
+    decided: set = set()
+    by_module: Dict[int, List[Tuple[int, str]]] = {}
+    for key in stores:
+        by_module.setdefault(key[0], []).append(key)
+    for model in models:
+        slots = {}  # the model's name of each adopted weight -> its key in stores
+        for prefix, module in named_modules(model):
+            for key in by_module.get(id(module), ()):
+                slots[(prefix + "." if prefix else "") + key[1]] = key
+        if not slots:
+            continue
+        for group in tied_groups(model):
+            offloaded = [slots[name] for name in group if name in slots]
+            if not offloaded:
+                continue
+            decided.update(offloaded)
+            one_store = (len(group) == 2 and len(offloaded) == 2 and stores[offloaded[0]][3] is not None
+                         and stores[offloaded[0]][3] == stores[offloaded[1]][3])
+            if one_store:
+                (module, name, _, _), (other, other_name, _, _) = stores[offloaded[0]], stores[offloaded[1]]
+                record_tie(module, name, other, other_name)
+            else:
+                for key in offloaded:
+                    _refuse(stores[key][0], stores[key][1])
+    return decided
+
+
+def _refuse(module: Any, name: str, unknown: bool = False) -> None:
+    """A write into ``module.<name>`` raises: a tie it could not reach every copy of (``unknown``: a tie nothing tells)."""
+    module.__dict__[NOT_A_PAIR] = frozenset(module.__dict__.get(NOT_A_PAIR, ())) | {name}
+    if unknown:
+        module.__dict__[TIES_UNKNOWN] = frozenset(module.__dict__.get(TIES_UNKNOWN, ())) | {name}
+
+
 def _stored_identity(weights_map: Any, name: str) -> Any:
-    """What tells the tensor stored for ``name`` apart from every other (its memory and layout), where it is held in
-    memory; None on disk or in a store that cannot be looked into."""
+    """What tells the value stored for ``name`` apart from every other: (CPU, its memory and layout) for a tensor in
+    memory; (DISK, file, tensor name) for an offload-index entry that points into a safetensors file (transformers'
+    index points a tied weight at its source's tensor), (DISK, folder, key) for one in its own file; None for a store
+    that cannot be looked into."""
     found = locate(weights_map, name)
-    if found is None or found.store != CPU:
+    if found is None:
         return None
-    tensor = found.entry
-    if getattr(tensor, "is_meta", True) or not hasattr(tensor, "untyped_storage"):
+    entry = found.entry
+    if found.store == DISK:
+        if isinstance(entry, dict) and entry.get("safetensors_file") and entry.get("weight_name"):
+            return (DISK, str(entry["safetensors_file"]), str(entry["weight_name"]))
+        return (DISK, str(found.folder), found.key)
+    if getattr(entry, "is_meta", True) or not hasattr(entry, "untyped_storage"):
         return None
-    return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()),
-            tensor.dtype)
+    return (CPU, entry.untyped_storage().data_ptr(), entry.storage_offset(), tuple(entry.shape), tuple(entry.stride()),
+            entry.dtype)
 
 
 def _slot_of(module: Any, name: str) -> Any:

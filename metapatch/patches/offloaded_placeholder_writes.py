@@ -58,9 +58,10 @@ state, which no write here changes (``bnb-cpu-repack-copy`` rebuilds its repacke
 
 Hooks attached before metapatch was imported (a model dispatched, then ``import metapatch``) are found when the
 patch applies (a walk of the garbage collector's objects, only then) and their placeholders marked; which of their
-weights are tied metapatch did not see: accelerate's record where ``dispatch_model`` made the hooks, weights served
-from one tensor in memory (``cpu_offload``) as a pair, and a write into any other weight of such a hook held on disk
-is refused (``OffloadedWriteError``: import metapatch first). Not seen: a forward's write through ``.data`` of what
+weights are tied metapatch did not see: a tie the model declares is a pair where both stores hold one tensor (refused
+otherwise), weights served from one tensor in memory (``cpu_offload``) are a pair, accelerate's record holds where
+``dispatch_model`` made the hooks, and a write into any other weight of such a hook held on disk is refused
+(``OffloadedWriteError``: import metapatch first). Not seen: a forward's write through ``.data`` of what
 it loaded.
 A parametrization registered on an offloaded module
 (``weight_norm``, ``spectral_norm``, ``orthogonal``) takes the placeholder as its original: upstream the module
