@@ -1,5 +1,5 @@
 """The one walk of a module tree that metapatch's hot paths share (and, off them, every live module and the models
-among them: :func:`live_modules`, :func:`roots`).
+among them: :func:`live_modules`, :func:`live_instances`, :func:`roots`).
 
 ``torch.nn.Module.named_modules`` nests one generator per level (its cost grows with depth for every
 module) and keeps its memo by hashing modules, which fails for a module class that defines ``__eq__``
@@ -66,17 +66,19 @@ def submodule(root: Any, path: str) -> Any:
 
 
 def live_modules() -> List[Any]:
-    """Every torch module alive in the process, found among the garbage collector's objects: for what must look at
-    models it was never handed (a patch applied after a model was dispatched). A walk of every tracked object: never
-    on a hot path."""
+    """Every torch module alive in the process: for what must look at models it was never handed (a patch applied
+    after a model was dispatched)."""
     torch = sys.modules.get("torch")
-    if torch is None:
-        return []
+    return [] if torch is None else live_instances(torch.nn.Module)
+
+
+def live_instances(cls: type) -> List[Any]:
+    """Every live object of ``cls`` (or a subclass) the garbage collector tracks. A walk of every tracked object:
+    asked once per late application of a patch, never on a hot path."""
     import gc
 
-    module_type = torch.nn.Module
     # type(), not isinstance(): isinstance reads __class__, which some deprecated proxies warn about
-    return [obj for obj in gc.get_objects() if issubclass(type(obj), module_type)]
+    return [obj for obj in gc.get_objects() if issubclass(type(obj), cls)]
 
 
 def roots(modules: Iterable[Any]) -> List[Any]:

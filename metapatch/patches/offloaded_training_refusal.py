@@ -217,17 +217,11 @@ def _adopt_optimizers_built_before(module: Any) -> None:
         return  # applied while accelerate.hooks executes: no offload hook, so no placeholder, existed before
     import torch
 
-    optimizer_type = torch.optim.Optimizer
-    for optimizer in _live(optimizer_type):
+    from metapatch._offload.module_walk import live_instances
+
+    for optimizer in live_instances(torch.optim.Optimizer):
         for group in list(optimizer.param_groups):
             _note_placeholders(list(group["params"]))
-
-
-def _live(cls: Any) -> List[Any]:
-    import gc
-
-    # type(), not isinstance(): isinstance reads __class__, which some deprecated proxies warn about
-    return [obj for obj in gc.get_objects() if issubclass(type(obj), cls)]
 
 
 def _add_param_group(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
