@@ -149,11 +149,15 @@ def test_a_tied_pair_the_map_split_takes_the_write_on_both_sides_when_the_patch_
 @in_range
 @pytest.mark.parametrize("placement, tied, written, why", [
     ("disk_offload", "untied", "lm_head", "attached before metapatch was imported"),  # each name its own file
-    ("disk_offload", "tied", "lm_head", "tied to other modules'"),  # declared, but two files: no store in common
+    # declared, but two files: no store in common (transformers 4.57 declares its ties in no form metapatch reads:
+    # there the tie is unknown, a refusal all the same)
+    ("disk_offload", "tied", "lm_head", ("tied to other modules'", "attached before metapatch was imported")),
     ("dispatch_model", "tied", "lm_head", "tied to other modules'"),  # accelerate's record of the tie
     ("dispatch_model", "tied", "embed_tokens", "tied to other modules'"),
 ])
 def test_a_write_whose_ties_metapatch_cannot_know_raises(tmp_path, placement, tied, written, why):
     outcome = _run(tmp_path, "cpu", placement, tied, written)
-    assert outcome["outcome"].startswith("refused OffloadedWriteError") and why in outcome["outcome"], outcome
+    whys = (why,) if isinstance(why, str) else why
+    assert outcome["outcome"].startswith("refused OffloadedWriteError"), outcome
+    assert any(w in outcome["outcome"] for w in whys), outcome
     assert outcome["offload_folder_unchanged"], outcome
