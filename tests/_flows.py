@@ -321,7 +321,7 @@ def make_machine(inits: tuple = INITS, quantized: bool = False):
             if not LATE or self.loads > 1:
                 return self._dispatched()
             # --late: the hooks are attached while offloaded-placeholder-writes is off, as when metapatch is imported
-            # after the model was loaded; the patch then applies and adopts them (its on_applied)
+            # after the model was loaded; the patch then applies and adopts them (its adopt_existing)
             metapatch.unpatch("offloaded-placeholder-writes")
             try:
                 return self._dispatched()

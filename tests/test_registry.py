@@ -721,9 +721,9 @@ def test_a_wrapped_method_held_bound_by_an_object_copies_as_a_bound_method_does(
                    "shallow_bound_to": True, "function_copies_as_itself": True}
 
 
-def test_on_applied_runs_once_per_application_after_the_swap_and_never_breaks_the_import(world):
-    """``Patch(on_applied=...)``: called with the target module once the patch is in place (so it can adopt what
-    upstream made before, a model dispatched before ``import metapatch``), again after an unpatch and re-install,
+def test_adopt_existing_runs_once_per_late_application_after_the_swap_and_never_breaks_the_import(world):
+    """``Patch(adopt_existing=...)``: called with the target module once the patch is in place on a module imported
+    before it (so it can adopt what upstream made before, a model dispatched before ``import metapatch``), again after an unpatch and re-install,
     never for a stale patch; what it raises is logged and the import goes on."""
     adopting = PATCHES["p_compute"].replace("PATCH = Patch(", '''
 CALLS = []
@@ -732,7 +732,7 @@ def _adopt(module):
     if len(CALLS) == 2:
         raise ValueError("adoption failed")
 
-PATCH = Patch(on_applied=_adopt,''')
+PATCH = Patch(adopt_existing=_adopt,''')
     out = world(patches={"p_compute": adopting})('''
         import fakelib.core
         reg = Registry(load_patches("fakepatches")); reg.install()
@@ -749,10 +749,10 @@ PATCH = Patch(on_applied=_adopt,''')
     assert out["states"]["fake-compute"] == "applied" and out["compute"] == 21
 
 
-def test_on_applied_is_not_called_for_a_stale_patch(world, tmp_path):
+def test_adopt_existing_is_not_called_for_a_stale_patch(world, tmp_path):
     adopting = PATCHES["p_compute"].replace("PATCH = Patch(", '''
 CALLS = []
-PATCH = Patch(on_applied=lambda module: CALLS.append(module.__name__),''')
+PATCH = Patch(adopt_existing=lambda module: CALLS.append(module.__name__),''')
     fingerprints = {"fakelib.core:compute": "0000000000000000", "fakelib.core:Thing.method": "0",
                     "fakelib.core:Thing.helper": "0"}
     out = world(patches={"p_compute": adopting}, fingerprints=fingerprints)('''
@@ -762,3 +762,21 @@ PATCH = Patch(on_applied=lambda module: CALLS.append(module.__name__),''')
         print(json.dumps({"calls": CALLS, "states": states(reg)}))
     ''')
     assert out["states"]["fake-compute"] == "stale" and out["calls"] == []
+
+
+def test_adopt_existing_is_not_called_inside_the_targets_own_import(world):
+    """metapatch first, then the target: the patch applies while the module executes, when nothing upstream made can
+    exist yet; only a later application (unpatch, install) adopts."""
+    adopting = PATCHES["p_compute"].replace("PATCH = Patch(", '''
+CALLS = []
+PATCH = Patch(adopt_existing=lambda module: CALLS.append(module.__name__),''')
+    out = world(patches={"p_compute": adopting})('''
+        reg = Registry(load_patches("fakepatches")); reg.install()
+        import fakelib.core
+        from fakepatches.p_compute import CALLS
+        first = list(CALLS)
+        reg.unpatch(); reg.install(["fake-compute"])
+        print(json.dumps({"first": first, "calls": CALLS, "states": states(reg)}))
+    ''')
+    assert out["states"]["fake-compute"] == "applied"
+    assert out["first"] == [] and out["calls"] == ["fakelib.core"]

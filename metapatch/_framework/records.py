@@ -141,18 +141,20 @@ class Patch:
     ``diagnoses`` lists the :func:`metapatch.diagnose` finding codes this patch fixes, so that a
     finding names it (``"tied-split"``, ``"offloaded"``).
 
-    ``on_applied`` is called with the target module each time the patch becomes applied (every target in
-    place), after the swap and outside the registry's lock, for the objects upstream made before the patch was
-    there (a model dispatched before ``import metapatch``); what it raises is logged, never raised.
+    ``adopt_existing`` is called with the target module each time the patch becomes applied (every target in
+    place) to a module that had finished importing before (``import metapatch`` after the target, ``install()``
+    after ``unpatch()``), after the swap and outside the registry's lock: for the objects upstream made while the
+    patch was not there (a model dispatched before ``import metapatch``). Never while the module is still executing
+    (the usual order: no such object can exist yet). What it raises is logged, never raised.
     """
 
     __slots__ = ("id", "title", "affects", "targets", "upstream", "declared_diffs", "declared_selftest",
-                 "wraps_over", "diagnoses", "on_applied")
+                 "wraps_over", "diagnoses", "adopt_existing")
 
     def __init__(self, id: str, title: str, affects: Mapping[str, str], targets: Tuple[Target, ...], *,  # noqa: A002
                  upstream: Optional[Upstream] = None, diffs: Optional[Tuple[str, ...]] = None,
                  selftest: Optional[str] = None, wraps_over: Tuple[str, ...] = (),
-                 diagnoses: Tuple[str, ...] = (), on_applied: Optional[Callable[[Any], None]] = None) -> None:
+                 diagnoses: Tuple[str, ...] = (), adopt_existing: Optional[Callable[[Any], None]] = None) -> None:
         if not targets:
             raise ValueError(f"patch {id!r} has no targets")
         self.id = id
@@ -164,7 +166,7 @@ class Patch:
         self.declared_selftest = selftest  # None: derived (layout.scenarios)
         self.wraps_over = (wraps_over,) if isinstance(wraps_over, str) else tuple(wraps_over)
         self.diagnoses = (diagnoses,) if isinstance(diagnoses, str) else tuple(diagnoses)
-        self.on_applied = on_applied
+        self.adopt_existing = adopt_existing
 
     def __repr__(self) -> str:
         return f"Patch({self.id!r})"

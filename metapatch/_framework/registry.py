@@ -253,9 +253,11 @@ class Registry:
         skip = {m.partition(".")[0] for m in patch.modules}  # frames of the patched library are not the user's
         for key, message in messages:
             self._warn_once(key, message, skip)
-        if became_applied and patch.on_applied is not None:
+        # a module still executing (metapatch's import hook applies patches then) holds no object made unpatched
+        finished = not getattr(getattr(module, "__spec__", None), "_initializing", False)
+        if became_applied and finished and patch.adopt_existing is not None:
             try:
-                patch.on_applied(module)
+                patch.adopt_existing(module)
             except Exception as exc:  # noqa: BLE001 - the patch is in place; what it adopts late is its own
                 _logger().exception("metapatch: %s: adopting what existed before it applied failed: %s", patch.id, exc)
         if problem is not None:

@@ -127,11 +127,8 @@ def _after_post_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) 
 
 
 def _adopt_hooks_attached_before(hooks_module: Any) -> None:
-    # Applied while accelerate.hooks still executes (metapatch imported first, the usual way): no hook exists yet.
-    # Applied later (``import metapatch`` after a model was dispatched): its placeholders are marked now, not at
-    # their next forward, so a write before that forward is kept or refused too.
-    if getattr(getattr(hooks_module, "__spec__", None), "_initializing", False):
-        return
+    # Applied after a model was dispatched (``import metapatch`` late): its placeholders are marked now, not at their
+    # next forward, so a write before that forward is kept or refused too.
     from metapatch._offload.placeholder_writes import adopt_hooked_before
 
     adopt_hooked_before()
@@ -162,7 +159,7 @@ PATCH = Patch(
                wrapper=_after_post_forward),
     ),
     wraps_over=("offloaded-move-guard",),
-    on_applied=_adopt_hooks_attached_before,
+    adopt_existing=_adopt_hooks_attached_before,
     upstream=Upstream(
         bug=("https://github.com/huggingface/diffusers/issues?q=textual+inversion+cpu_offload",),
         forwarded="no",

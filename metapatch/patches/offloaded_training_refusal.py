@@ -213,8 +213,6 @@ def _adopt_optimizers_built_before(module: Any) -> None:
     which no hook serves from then on), so its step would go unrefused. Each live optimizer's trainable placeholders
     still served now are noted, as its ``add_param_group`` would have (one walk of the garbage collector's objects,
     on a late application only)."""
-    if getattr(getattr(module, "__spec__", None), "_initializing", False):
-        return  # applied while accelerate.hooks executes: no offload hook, so no placeholder, existed before
     import torch
 
     from metapatch._offload.module_walk import live_instances
@@ -253,7 +251,7 @@ PATCH = Patch(
                fingerprints=("ae38374cfcc9bc26", "94008ee5b51f3e96", "6460aa1b3890d5ee", "af6056fb81f6bc5b"),
                wrapper=_add_param_group),
     ),
-    on_applied=_adopt_optimizers_built_before,
+    adopt_existing=_adopt_optimizers_built_before,
     upstream=Upstream(
         bug=("https://github.com/huggingface/accelerate/issues?q=offload+training+gradient+meta",),
         forwarded="no",
