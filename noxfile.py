@@ -113,10 +113,11 @@ def _share_torch(session):
     done = os.path.join(SHARED_TORCH, f".{TORCH}.done")
     if not os.path.exists(done):  # nox runs sessions one at a time: no other session writes it meanwhile
         shutil.rmtree(SHARED_TORCH, ignore_errors=True)
-        session.run("python", "-m", "pip", "install", "-q", "--target", SHARED_TORCH, TORCH)
+        # run_install: also under ``nox --install-only`` (which skips session.run), so that mode builds a usable venv
+        session.run_install("python", "-m", "pip", "install", "-q", "--target", SHARED_TORCH, TORCH)
         open(done, "w").close()
-    site = session.run("python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])",
-                       silent=True).strip()
+    site = session.run_install("python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])",
+                               silent=True).strip()
     with open(os.path.join(site, "metapatch-shared-torch.pth"), "w") as pth:
         pth.write(SHARED_TORCH + "\n")  # after the venv's own site-packages: what a session installs wins
 
