@@ -164,6 +164,37 @@ def test_shrunk_configs_that_used_to_fail_in_memory_build_and_run(class_name, mo
     assert logits.shape[:2] == (1, 8) and torch.isfinite(logits).all()
 
 
+@pytest.mark.parametrize("class_name", [
+    "DeepseekV2ForCausalLM",  # num_experts_per_tok None by default
+    "MinistralForCausalLM", "HunYuanDenseV1ForCausalLM", "NemotronForCausalLM",  # head_dim / key-value heads None
+    "Ernie4_5_MoeForCausalLM", "KimiLinearForCausalLM",  # top-k named moe_k / num_experts_per_token: 6 and 8 of 4
+    "Mamba2ForCausalLM", "FalconH1ForCausalLM",  # heads x head dim = expand x hidden, validated
+    "BambaForCausalLM",  # attention layers listed by index, none by default: all Mamba, no cache to mask
+    "XLMWithLMHeadModel",  # emb_dim: 100M parameters
+])
+def test_default_configs_that_leave_sizes_unset_or_tied_shrink_to_models_that_generate(class_name):
+    """Listed "do not build or run in memory" in docs/sweep.md on 5.25: default configs that leave a size the
+    model needs unset (None), or whose sizes are tied (a Mamba-2 mixer's), or a size attribute the rules did not
+    know. Each now builds under the size limit and generates in memory."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    from transformers import CONFIG_MAPPING
+
+    from metapatch.sweep import shrink
+
+    if not hasattr(transformers, class_name):
+        pytest.skip(f"transformers {transformers.__version__} has no {class_name}")
+    config = shrink.tiny_config(CONFIG_MAPPING[dict(sweep.architectures())[class_name]])
+    torch.manual_seed(0)
+    model = getattr(transformers, class_name)(config).eval()
+    assert sum(p.numel() for p in model.parameters()) < 5_000_000
+    ids = torch.randint(4, 200, (1, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, min_new_tokens=3,
+                             do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 11)
+
+
 def test_a_shrinking_rule_reruns_only_the_architectures_whose_config_it_changes(monkeypatch):
     pytest.importorskip("transformers")
     import re

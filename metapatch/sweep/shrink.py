@@ -35,18 +35,23 @@ RULES: List[_Rule] = [
     (r"head_dim$|^d_kv$|^kv_channels$|_head_dim$", HEAD_DIM),
     (r"^rotary_dim$", HEAD_DIM // 2),  # GPT-J, CodeGen: at most the head dim
     (r"(^|_)(lora_rank|kv_lora_rank|q_lora_rank)$", 16),
-    (r"experts_per_tok$|^top_k$|^moe_topk$|^num_selected_experts$|^topk_group$|^n_group$", 2),
+    (r"experts_per_tok(en)?$|^top_k$|^moe_topk$|^moe_k$|^num_selected_experts$|^topk_group$|^n_group$", 2),
     (r"(^|_)(num_)?(local_|routed_)?experts$|^n_routed_experts$|^moe_num_experts$", 4),
     (r"shared_experts$", 1),
     (r"moe_intermediate_size$|expert_intermediate_size$|shared_expert_intermediate_size$", 2 * HIDDEN),
     (r"intermediate_size$|^ffn_dim$|_ffn_dim$|^d_ff$|^n_inner$|^ffn_hidden_size$|^mlp_dim$", 2 * HIDDEN),
     (r"(^|_)(num_)?(hidden_|decoder_|encoder_)?layers$|^n_layer$|^num_blocks$|^n_layers$", LAYERS),
-    (r"^hidden_size$|^d_model$|^n_embd$|^n_embed$|^embed_dim$|^dim$|^hidden_dim$|^model_dim$|^d_embed$", HIDDEN),
+    (r"^hidden_size$|^d_model$|^n_embd$|^n_embed$|^embed_dim$|^dim$|^hidden_dim$|^model_dim$|^d_embed$|^emb_dim$|"
+     r"^lru_width$", HIDDEN),
+    (r"(^|_)dt_rank$|^adapter_rank$", 8),
     (r"_hidden_size$|_embed_dim$|^text_hidden_size$|^projection_dim$", HIDDEN),
     (r"max_position_embeddings$|^n_positions$|^n_ctx$|^max_seq_len$|^seq_length$", 128),
     (r"^image_size$", 32),
     (r"^patch_size$", 8),
     (r"num_codebooks$", 2),
+    # Mamba-2 mixers (Mamba2, Bamba, Falcon-H1, Granite 4, Zamba2): small states, one group (groups divide heads)
+    (r"^state_size$|^mamba_d_state$|^ssm_state_size$", 16),
+    (r"^n_groups$|^mamba_n_groups$|^mamba_ngroups$", 1),
     # Jamba-style hybrids: attention every ``period`` layers from ``offset``; 2 layers keep one of each kind.
     (r"^attn_layer_period$", 2),
     (r"^attn_layer_offset$", 1),
@@ -59,6 +64,14 @@ _DERIVED_LISTS = re.compile(r"layer_types$|^layers_block_type$|^block_types$|^at
 # Sizes __init__ derives from other sizes (DeepSeek's qk_head_dim = nope + rope head dims): dropped.
 _DERIVED_SIZES = frozenset({"qk_head_dim"})
 _TOKEN_ID = re.compile(r"token_id$|token_ids$")
+# Sizes a default config leaves unset (None) that its model needs all the same, set the way real checkpoints do:
+# a mixture of experts without a top-k (DeepSeek-V2), a head dim or a key/value head count left to the model
+# (Ministral, HunYuan, Nemotron read them without a fallback); None keeps its meaning elsewhere.
+_UNSET_SIZES = {"num_experts_per_tok": 2, "head_dim": HEAD_DIM, "num_key_value_heads": HEADS}
+# A Mamba-2 mixer's sizes are tied: heads x head dim = expand x hidden (its config validates it, and Falcon-H1
+# keeps the product as mamba_d_ssm). (expand, heads, head dim) key names, per family.
+_MAMBA2_SIZES = (("expand", "num_heads", "head_dim"), ("mamba_expand", "mamba_n_heads", "mamba_d_head"),
+                 ("mamba_expand", "n_mamba_heads", "mamba_headdim"))
 
 
 def _shrink_value(key: str, value: Any) -> Any:
@@ -129,12 +142,36 @@ def shrink_dict(values: Dict[str, Any]) -> Dict[str, Any]:
             out[key] = _shrink_value(str(key), value)
     for key in _DERIVED_SIZES:
         out.pop(key, None)
+    _fill_unset_sizes(values, out)
+    _tie_mamba2_sizes(out)
     # Multi-head (or DeepSeek's latent) attention has as many key/value heads as heads: keep it so.
     heads, kv = values.get("num_attention_heads"), values.get("num_key_value_heads")
     if isinstance(heads, int) and heads == kv and "num_attention_heads" in out:
         out["num_key_value_heads"] = out["num_attention_heads"]
     _fix_token_ids(out)
     return out
+
+
+def _fill_unset_sizes(values: Dict[str, Any], out: Dict[str, Any]) -> None:
+    for key, size in _UNSET_SIZES.items():
+        if key in values and values[key] is None:
+            out[key] = size
+    # a hybrid whose attention layers are listed by index (Bamba: none by default; Zamba2: none below layer 6):
+    # the last layer attends
+    for key in ("attn_layer_indices", "hybrid_layer_ids"):
+        if key in values and (values[key] is None or not any(i < LAYERS for i in values[key])):
+            out[key] = [LAYERS - 1]
+
+
+def _tie_mamba2_sizes(out: Dict[str, Any]) -> None:
+    hidden = out.get("hidden_size")
+    for expand_key, heads_key, head_dim_key in _MAMBA2_SIZES:
+        expand, heads = out.get(expand_key), out.get(heads_key)
+        if head_dim_key in out and all(isinstance(v, int) and v > 0 for v in (hidden, expand, heads)):
+            if (hidden * expand) % heads == 0:
+                out[head_dim_key] = hidden * expand // heads
+                if isinstance(out.get("mamba_d_ssm"), int):
+                    out["mamba_d_ssm"] = hidden * expand
 
 
 def tiny_config(config_class: Callable[..., Any]) -> Any:
