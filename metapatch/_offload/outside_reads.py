@@ -20,6 +20,15 @@ would run on its own unloaded parameters (a map that split a module's parameters
 accelerate hooks modules, so a parameter key on disk beside a sibling elsewhere is never loaded, and the
 forward computes on the placeholder). Reads the source does not spell as ``self.<chain>`` (``getattr``, a module passed to a helper) are not found: they fail as before.
 
+A module's own methods other than ``forward`` are entry points of the same kind: called from outside any forward
+(``generate()`` calls ``model.base_model.get_image_features(...)`` before the first forward; a user calls
+``model.get_image_features(pixel_values)``), one that reads the module's own offloaded tensors
+(``self.image_newline`` of LLaVA-NeXT, ``self.query_tokens`` of BLIP-2) or a child's meets the placeholder, since
+the module's hook loads them only in its forward. Each public method of model code (not torch's, accelerate's,
+peft's, nor transformers' base classes') that reads an offloaded tensor gets an instance attribute of the same
+name that holds those modules loaded while it runs (:class:`_EntryPoints`); called where they are loaded
+already (inside a forward) it calls straight through.
+
 :func:`hook_split_tensors`, run first at the same dispatch, serves the other way a module's own tensors go
 unloaded: a map that offloads them under their own keys (ZayaModel's top-level parameters) names no module
 for accelerate to hook, so such a module gets an offload hook for its direct tensors.
@@ -31,8 +40,10 @@ import ast
 import contextlib
 import functools
 import inspect
+import itertools
 import sys
 import textwrap
+import types
 from typing import Any, Dict, List, Optional, Tuple
 
 from metapatch._offload.hook_state import holds, offload_hooks
@@ -42,6 +53,10 @@ from metapatch._framework.records import MetapatchError
 
 _DEPTH = 3
 _ATTR = "_metapatch_outside_reads"
+_ENTRY_ATTR = "_metapatch_entry_points"
+# Where methods come from that are no model code: their libraries serve offloaded modules themselves (PEFT's layers,
+# metapatch's PEFT patches) or read no tensor of a particular model (transformers' base classes, generation).
+_LIBRARY_PREFIXES = ("torch.", "accelerate.", "peft.", "bitsandbytes.", "transformers.")
 _METADATA = frozenset({"dtype", "shape", "ndim", "size", "dim", "numel", "is_floating_point", "requires_grad",
                        "is_complex", "element_size", "nelement"})
 
@@ -156,8 +171,7 @@ class _Reader:
         stack = contextlib.ExitStack()
         if any(offload_hooks(owner) for owner in self.owners):
             stack.enter_context(materialised(*self.owners))
-        missing = [dotted for dotted, owner, tensor in self.reads
-                   if getattr(owner._parameters.get(tensor, owner._buffers.get(tensor)), "is_meta", False)]
+        missing = _unloaded(self.reads)
         if missing:
             stack.close()
             raise OffloadedReadError(
@@ -170,6 +184,121 @@ class _Reader:
     def post(self, module: Any, args: Any, output: Any) -> None:
         if self.stacks:
             self.stacks.pop().close()
+
+
+def _unloaded(reads: List[Tuple[str, Any, str]]) -> List[str]:
+    """The dotted names of ``reads`` (dotted name, owning module, tensor name) still on meta."""
+    return [dotted for dotted, owner, tensor in reads
+            if getattr(owner._parameters.get(tensor, owner._buffers.get(tensor)), "is_meta", False)]
+
+
+def _has_meta(module: Any) -> bool:
+    """Whether a tensor of ``module`` (its submodules' included) is on meta: stops at the first (offloaded, that is
+    the first one a hook holds); walks them all only where they are loaded."""
+    return any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
+
+
+@functools.lru_cache(maxsize=None)
+def _entry_point_names(cls: type) -> Tuple[str, ...]:
+    """The public methods of ``cls`` that model code defines (its own or inherited from model code): the
+    candidates to be entry points. Not ``forward`` (the hooks serve it), not torch's module API, not what a library
+    defines (transformers' base classes and generation read no particular model's tensors; PEFT's layers are
+    served by metapatch's PEFT patches)."""
+    api = _module_api()
+    names = []
+    for name in dir(cls):
+        if name.startswith("_") or name == "forward" or name in api:
+            continue
+        function = inspect.getattr_static(cls, name, None)
+        if not isinstance(function, types.FunctionType):
+            continue  # properties, static and class methods, attributes
+        origin = getattr(function, "__module__", None) or ""
+        if origin.startswith(_LIBRARY_PREFIXES) and not origin.startswith("transformers.models."):
+            continue
+        names.append(name)
+    return tuple(names)
+
+
+class _EntryPoints:
+    """A module's methods that read offloaded tensors: per method, the modules it keeps loaded while it runs and the
+    tensors it reads (checked once they are loaded, as a reader's)."""
+
+    def __init__(self, module_name: str, methods: Dict[str, Tuple[List[Any], List[Tuple[str, Any, str]]]]) -> None:
+        self.module_name = module_name
+        self.methods = methods
+
+
+@functools.lru_cache(maxsize=None)
+def _entry_point(name: str, function: Any) -> Any:
+    """The function bound (``types.MethodType``) as the instance attribute ``name`` of a module whose class method
+    ``function`` reads offloaded tensors; it finds what to load in the instance's own record, so a deep copy of the
+    module, which rebinds it, loads the copy's. ``inspect.signature`` sees ``function``'s (``generate()`` picks the
+    arguments of ``get_image_features`` by it)."""
+
+    @functools.wraps(function)
+    def entry(self: Any, *args: Any, **kwargs: Any) -> Any:
+        record = self.__dict__.get(_ENTRY_ATTR)
+        owners, reads = record.methods.get(name, ([], [])) if record is not None else ([], [])
+        if not _unloaded(reads) and not any(_has_meta(owner) for owner in owners):
+            return function(self, *args, **kwargs)  # inside a forward (its hooks loaded them), or nothing offloaded
+        with contextlib.ExitStack() as stack:
+            if any(offload_hooks(owner) for owner in owners):
+                stack.enter_context(materialised(*owners))
+            missing = _unloaded(reads)
+            if missing:
+                raise OffloadedReadError(
+                    f"metapatch: {type(self).__name__}.{name}() ({record.module_name or 'the model'}) reads "
+                    f"{', '.join(missing)}, which is on the meta device with no accelerate offload hook holding its "
+                    f"value. Put that whole module on one device in device_map, or load the model without "
+                    f"offloading it.")
+            return function(self, *args, **kwargs)
+
+    return entry
+
+
+def _served(out: Dict[int, Tuple[Any, List[str]]], called: Dict[int, Any], model: Any,
+            names: Dict[int, str]) -> Tuple[List[Any], List[Tuple[str, Any, str]]]:
+    """From what a method reads (``out``) and whose methods it calls (``called``): the modules whose hooks must hold
+    them loaded, and the reads of tensors on meta (those on a device already work without help)."""
+    owners: List[Any] = []
+    reads: List[Tuple[str, Any, str]] = []
+    for owner, tensors in out.values():
+        meta = sorted({t for t in tensors if getattr(owner._parameters.get(t, owner._buffers.get(t)), "is_meta", False)})
+        if not meta:
+            continue
+        path = names.get(id(owner), "?")
+        reads.extend((f"{path}.{t}" if path else t, owner, t) for t in meta)  # the root's own: no leading dot
+        _add_holder(owners, owner, model, names)
+    for callee in called.values():  # served when a hook can load them; never refused on a guess
+        if any(t is not None and t.is_meta for t in (*callee._parameters.values(), *callee._buffers.values())):
+            _add_holder(owners, callee, model, names)
+    return owners, reads
+
+
+def _install_entry_points(name: str, module: Any, model: Any, names: Dict[int, str]) -> bool:
+    """Bind, as instance attributes of ``module``, its methods that read offloaded tensors outside any forward
+    (replacing an earlier install's); True where there is one."""
+    old = module.__dict__.pop(_ENTRY_ATTR, None)
+    if old is not None:
+        for method in old.methods:
+            module.__dict__.pop(method, None)
+    methods = {}
+    for method in _entry_point_names(type(module)):
+        if method in module.__dict__:
+            continue  # an instance attribute of the model's own: left as it is
+        out: Dict[int, Tuple[Any, List[str]]] = {}
+        called: Dict[int, Any] = {}
+        _reads(None, module, method, 0, set(), out, called)  # no reader: the module's own tensors count too
+        owners, reads = _served(out, called, model, names)
+        if owners or reads:
+            methods[method] = (owners, reads)
+    if not methods:
+        return False
+    module.__dict__[_ENTRY_ATTR] = _EntryPoints(name, methods)
+    for method in methods:
+        module.__dict__[method] = types.MethodType(_entry_point(method, inspect.getattr_static(type(module), method)),
+                                                   module)
+    return True
 
 
 def _unloaded_own_tensors(module: Any, model: Any, names: Dict[int, str]) -> List[Tuple[str, Any, str]]:
@@ -237,7 +366,7 @@ def hook_split_tensors(model: Any, execution_device: Any, offload: Any, weights_
 
 def install(model: Any, modules: Optional[List[Tuple[str, Any]]] = None) -> List[str]:
     """Give every module of ``model`` whose forward reads an offloaded module's tensors the hooks that
-    serve those reads; returns the readers' names. Idempotent (a re-dispatch replaces earlier hooks).
+    serve those reads, and bind its methods that read them as entry points; returns the readers' names. Idempotent (a re-dispatch replaces earlier hooks).
     ``modules``: ``model.named_modules()`` as a list, when the caller has walked it already."""
     modules = list(model.named_modules()) if modules is None else modules
     names = {id(module): name for name, module in modules}
@@ -247,20 +376,11 @@ def install(model: Any, modules: Optional[List[Tuple[str, Any]]] = None) -> List
         if old is not None:
             for handle in old.handles:
                 handle.remove()
+        _install_entry_points(name, module, model, names)
         out: Dict[int, Tuple[Any, List[str]]] = {}
         called: Dict[int, Any] = {}
         _reads(module, module, "forward", 0, set(), out, called)
-        owners, reads = [], []
-        for owner, tensors in out.values():
-            meta = sorted({t for t in tensors
-                           if getattr(owner._parameters.get(t, owner._buffers.get(t)), "is_meta", False)})
-            if not meta:
-                continue  # on a device already: the read works without help
-            reads.extend((f"{names.get(id(owner), '?')}.{t}", owner, t) for t in meta)
-            _add_holder(owners, owner, model, names)
-        for callee in called.values():  # served when a hook can load them; never refused on a guess
-            if any(t is not None and t.is_meta for t in (*callee._parameters.values(), *callee._buffers.values())):
-                _add_holder(owners, callee, model, names)
+        owners, reads = _served(out, called, model, names)
         # A module's own forward meeting its own unloaded weight is the same unservable read.
         reads.extend(_unloaded_own_tensors(module, model, names))
         if not reads and not owners:

@@ -361,6 +361,64 @@ def held_write_through_data(workdir: Path) -> Dict[str, Any]:
     return {"max_abs_diff": 0.0}
 
 
+def _tensors(value: Any) -> list:
+    """The tensors in ``value`` (a tensor, a list or tuple of them, a ModelOutput), in order."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):  # ModelOutput
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors(item)]
+    return []
+
+
+def llava_next_image_features(workdir: Path) -> Dict[str, Any]:
+    """LLaVA-NeXT with its base model's own parameter ``image_newline`` on disk (the rest on the execution device).
+    ``get_image_features`` reads it (through ``pack_image_features``) outside the base model's forward, the only
+    place its hook loads it: called by the user, and by ``generate()`` before the first forward (transformers
+    >= 5.2x, ``_prepare_multimodal_encoder_kwargs_for_generation``)."""
+    import torch
+    from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration
+
+    image_token = 250
+    text = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, image_size=32, patch_size=8, projection_dim=32)
+    config = LlavaNextConfig(vision_config=vision, text_config=text, image_token_index=image_token,
+                             image_grid_pinpoints=[[32, 32], [32, 64], [64, 32], [64, 64]])
+    torch.manual_seed(0)
+    reference = LlavaNextForConditionalGeneration(config).eval()
+    reference.save_pretrained(workdir / "ckpt")
+    device_map = {"model.image_newline": "disk", "model.vision_tower": "cpu", "model.multi_modal_projector": "cpu",
+                  "model.language_model": "cpu", "lm_head": "cpu"}
+    loaded = LlavaNextForConditionalGeneration.from_pretrained(workdir / "ckpt", device_map=_in_memory(device_map),
+                                                               offload_folder=str(workdir / "offload")).eval()
+    reference = to_device(reference)
+    if not loaded.model.image_newline.is_meta:
+        raise AssertionError("the device map was meant to put model.image_newline on disk")
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.tensor([[1] + [image_token] * 36 + [5, 6, 7, 8]])  # 36: the features of one 32x32 image here
+    pixels = to_device(torch.randn(1, 2, 3, 32, 32, generator=generator))
+    image_sizes = to_device(torch.tensor([[32, 32]]))
+    inputs = dict(input_ids=to_device(ids), attention_mask=to_device(torch.ones_like(ids)), pixel_values=pixels,
+                  image_sizes=image_sizes)
+    with torch.no_grad():
+        got = _tensors(loaded.get_image_features(pixel_values=pixels, image_sizes=image_sizes))
+        expected = _tensors(reference.get_image_features(pixel_values=pixels, image_sizes=image_sizes))
+        if not got or len(got) != len(expected) or not all(_equal(g, e) for g, e in zip(got, expected)):
+            raise AssertionError("image features differ from the in-memory model's")
+        tokens = loaded.generate(**inputs, max_new_tokens=_NEW_TOKENS, do_sample=False, pad_token_id=0)
+        reference_tokens = reference.generate(**inputs, max_new_tokens=_NEW_TOKENS, do_sample=False, pad_token_id=0)
+    if not _equal(tokens, reference_tokens):
+        raise AssertionError(f"greedy tokens differ: {tokens.tolist()} != {reference_tokens.tolist()}")
+    if not loaded.model.image_newline.is_meta:
+        raise AssertionError("the offloaded parameter stayed loaded after get_image_features")
+    return {"max_abs_diff": 0.0}
+
+
 SCENARIOS = [
     Scenario(PATCH_ID, "prophetnet-decoder-embeddings-on-disk", f"{__name__}:prophetnet_decoder_on_disk",
              "ProphetNetForCausalLM with its decoder's position/ngram embeddings and layer norm on disk: its decoder reads "
@@ -391,4 +449,10 @@ SCENARIOS = [
              "torch.inference_mode: three calls equal the in-memory model's (the write is kept by the offload "
              "store; before, it was dropped at the next offload; unpatched: the read meets the meta placeholder)",
              expected_error="RuntimeError|NotImplementedError"),
+    Scenario(PATCH_ID, "llava-next-image-features-on-disk", f"{__name__}:llava_next_image_features",
+             "LlavaNextForConditionalGeneration with its base model's own image_newline on disk: get_image_features "
+             "(the user's call, and generate()'s before its first forward on transformers >= 5.2x) reads it outside "
+             "the base model's forward; image features and greedy generate() equal the in-memory model (unpatched: "
+             "NotImplementedError 'Cannot copy out of meta tensor'). Found by a VLM survey of offload placements",
+             expected_error="NotImplementedError", expected_message="Cannot copy out of meta tensor"),
 ]

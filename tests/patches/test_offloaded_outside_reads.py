@@ -27,7 +27,7 @@ class TestThreeWay(ThreeWayCase):
     patch_ids = (PATCH_ID,)
     names = {PATCH_ID: {"remote-code-reads-on-disk", "prophetnet-decoder-embeddings-on-disk",
                         "own-parameter-mapped-alone-on-disk", "held-write-through-data-on-disk",
-                        "longcat-router-on-disk"}}
+                        "longcat-router-on-disk", "llava-next-image-features-on-disk"}}
 
 
 EMBEDDING_PATCHES = "gemma4-offloaded-embeddings,diffusion-gemma-offloaded-embeddings"
@@ -257,3 +257,104 @@ def test_a_reader_that_writes_nothing_runs_under_inference_mode(tmp_path):
     with torch.inference_mode():
         assert torch.equal(model(ids), expected)
         assert torch.equal(model(ids), expected)
+
+
+# -- entry points: a module's methods other than forward, called outside any forward ---------------------------
+
+DEVICES = ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)]
+
+
+class WithNewline(torch.nn.Module):
+    """A parameter of its own read by a public method (LLaVA-NeXT's image_newline in get_image_features)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 4)
+        self.newline = torch.nn.Parameter(torch.randn(4))
+
+    def get_features(self, x):
+        return torch.cat([self.linear(x), self.newline.expand(x.shape[0], 1, 4).to(x.device)], dim=1)
+
+    def forward(self, x):
+        return self.get_features(x).sum(dim=1)
+
+
+def _tiny_blip2():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Blip2Config(
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                           image_size=32, patch_size=8),
+        qformer_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                            encoder_hidden_size=32, vocab_size=64),
+        text_config=dict(model_type="opt", vocab_size=256, hidden_size=32, ffn_dim=64, num_hidden_layers=1,
+                         num_attention_heads=4, word_embed_proj_dim=32, max_position_embeddings=64, bos_token_id=1,
+                         eos_token_id=2, pad_token_id=0),
+        num_query_tokens=4, image_token_index=250)
+    torch.manual_seed(0)
+    return transformers.Blip2ForConditionalGeneration(config).eval()
+
+
+def _first_tensor(value):
+    return value if isinstance(value, torch.Tensor) else _first_tensor(value[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_blip2_image_features_and_generate_under_cpu_offload_equal_in_memory(device):
+    """BLIP-2's get_image_features (called by the user, and by generate()) reads the model's own query_tokens,
+    which its hook loads only inside its forward: upstream "Cannot copy out of meta tensor" for both calls."""
+    import copy
+    import inspect
+
+    reference = _tiny_blip2().to(device)
+    model = copy.deepcopy(reference).cpu()
+    accelerate.cpu_offload(model, execution_device=torch.device(device))
+    assert model.query_tokens.is_meta
+    pixels = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(1)).to(device)
+    ids = torch.tensor([[250] * 4 + [1, 5, 6, 7]], device=device)
+    inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels)
+    with torch.no_grad():
+        assert torch.equal(_first_tensor(model.get_image_features(pixel_values=pixels)),
+                           _first_tensor(reference.get_image_features(pixel_values=pixels)))
+        assert torch.equal(model.generate(**inputs, max_new_tokens=3, do_sample=False),
+                           reference.generate(**inputs, max_new_tokens=3, do_sample=False))
+    assert model.query_tokens.is_meta  # offloaded again after the call
+    # generate() picks get_image_features' arguments by its signature: the bound entry point keeps it
+    assert inspect.signature(model.get_image_features) == inspect.signature(reference.get_image_features)
+
+
+def test_entry_points_only_where_an_offloaded_tensor_is_read(tmp_path):
+    model = WithNewline().eval()
+    accelerate.dispatch_model(model, device_map={"": "cpu"})
+    assert not any("_metapatch_entry_points" in m.__dict__ or "get_features" in m.__dict__ for m in model.modules())
+    blip2 = _tiny_blip2()
+    accelerate.cpu_offload(blip2, execution_device=torch.device("cpu"))
+    bound = {name for name, m in blip2.named_modules() if "_metapatch_entry_points" in m.__dict__}
+    assert "" in bound and "get_image_features" in blip2.__dict__["_metapatch_entry_points"].methods
+    # a decoder layer's methods read only its own tensors through its forward: nothing bound there
+    assert not any(name.startswith("language_model.model.decoder.layers") for name in bound)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_method_reading_its_own_offloaded_parameter(tmp_path, device):
+    torch.manual_seed(0)
+    model = WithNewline().eval()
+    x = torch.randn(2, 1, 3)
+    with torch.no_grad():
+        expected_features, expected = model.get_features(x), model(x)
+    accelerate.disk_offload(model, str(tmp_path / "offload"), execution_device=torch.device(device))
+    with torch.no_grad():
+        assert torch.equal(model.get_features(x.to(device)).cpu(), expected_features)
+        assert torch.equal(model(x.to(device)).cpu(), expected)  # inside forward: called straight through
+    assert model.newline.is_meta  # offloaded again after the call
+
+
+def test_a_method_reading_what_nothing_can_serve_is_a_metapatch_error(tmp_path):
+    from accelerate.hooks import remove_hook_from_module
+
+    model = WithNewline().eval()
+    accelerate.disk_offload(model, str(tmp_path / "offload"), execution_device="cpu")
+    remove_hook_from_module(model)  # detaching loads the parameter back...
+    model.newline = torch.nn.Parameter(torch.empty(4, device="meta"))  # ...so put it on meta, nothing to load it
+    with pytest.raises(metapatch.MetapatchError, match=r"WithNewline\.get_features\(\) \(the model\) reads newline"):
+        with torch.no_grad():
+            model.get_features(torch.randn(2, 1, 3))
