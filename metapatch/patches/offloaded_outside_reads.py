@@ -1,7 +1,8 @@
 """offloaded-outside-reads: a module's forward that reads another module's offloaded tensors directly
 (``self.embed_tokens.weight[pad_id]``, ``x.to(self.embed_tokens.weight.device)``, ``x + self.child.bias``)
 or calls a child's method other than ``forward`` (``self.experts.map(x)``) sees the real tensors, on the
-execution device, for as long as that forward runs; upstream it meets accelerate's meta placeholder
+execution device, for as long as that forward runs, and so does a model method other than ``forward`` called outside
+any forward (``generate()`` calling ``get_image_features``, which reads LLaVA-NeXT's ``image_newline``); upstream it meets accelerate's meta placeholder
 (``Tensor on device meta is not on the expected device``, ``Cannot copy out of meta tensor``, or wrong
 numbers).
 
