@@ -192,10 +192,15 @@ def _unloaded(reads: List[Tuple[str, Any, str]]) -> List[str]:
             if getattr(owner._parameters.get(tensor, owner._buffers.get(tensor)), "is_meta", False)]
 
 
-def _has_meta(module: Any) -> bool:
-    """Whether a tensor of ``module`` (its submodules' included) is on meta: stops at the first (offloaded, that is
-    the first one a hook holds); walks them all only where they are loaded."""
-    return any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
+def _needs_loading(owner: Any) -> bool:
+    """Whether a tensor that ``owner``'s offload hooks serve is on meta now: its own (and its submodules' where the
+    hook places them). Inside the owner's forward they are loaded, and loading them again would put them back on meta
+    when the call ends, under the rest of that forward. Stops at the first on meta."""
+    for hook in offload_hooks(owner):
+        recurse = bool(getattr(hook, "place_submodules", False))
+        if any(t.is_meta for t in itertools.chain(owner.parameters(recurse=recurse), owner.buffers(recurse=recurse))):
+            return True
+    return False
 
 
 @functools.lru_cache(maxsize=None)
@@ -239,7 +244,7 @@ def _entry_point(name: str, function: Any) -> Any:
     def entry(self: Any, *args: Any, **kwargs: Any) -> Any:
         record = self.__dict__.get(_ENTRY_ATTR)
         owners, reads = record.methods.get(name, ([], [])) if record is not None else ([], [])
-        if not _unloaded(reads) and not any(_has_meta(owner) for owner in owners):
+        if not _unloaded(reads) and not any(_needs_loading(owner) for owner in owners):
             return function(self, *args, **kwargs)  # inside a forward (its hooks loaded them), or nothing offloaded
         with contextlib.ExitStack() as stack:
             if any(offload_hooks(owner) for owner in owners):
