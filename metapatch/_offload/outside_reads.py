@@ -256,9 +256,29 @@ def _entry_point(name: str, function: Any) -> Any:
                     f"{', '.join(missing)}, which is on the meta device with no accelerate offload hook holding its "
                     f"value. Put that whole module on one device in device_map, or load the model without "
                     f"offloading it.")
+            result = function(self, *args, **kwargs)
+            aliased = bool(_storages(result) & _storages(list(itertools.chain.from_iterable(
+                itertools.chain(owner.parameters(), owner.buffers()) for owner in owners))))
+        if aliased:
+            # A getter of held tensors (``return self.newline``, or a view of it): in memory the result is the
+            # model's tensor, and a write through it writes the model. What was held goes back on meta now, so that
+            # result would take a write and lose it. Called again on the placeholders, as without metapatch's
+            # loading: the write is kept by offloaded-placeholder-writes, and reading it raises, as upstream.
             return function(self, *args, **kwargs)
+        return result
 
     return entry
+
+
+def _storages(value: Any) -> set:
+    """The storage addresses of the tensors in ``value`` (a tensor, or a list, tuple or dict of them), meta ones
+    left out."""
+    torch = sys.modules["torch"]
+    if isinstance(value, dict):
+        value = list(value.values())
+    items = value if isinstance(value, (list, tuple)) else [value]
+    return {t.untyped_storage().data_ptr() for t in items
+            if isinstance(t, torch.Tensor) and not t.is_meta and t.untyped_storage().data_ptr()}
 
 
 def _served(out: Dict[int, Tuple[Any, List[str]]], called: Dict[int, Any], model: Any,

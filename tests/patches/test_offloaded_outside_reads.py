@@ -275,6 +275,9 @@ class WithNewline(torch.nn.Module):
     def get_features(self, x):
         return torch.cat([self.linear(x), self.newline.expand(x.shape[0], 1, 4).to(x.device)], dim=1)
 
+    def get_newline(self):
+        return self.newline
+
     def forward(self, x):
         # the entry point inside the forward, then the forward's own read again: still loaded after it
         return self.get_features(x).sum(dim=1) + self.newline.sum()
@@ -359,3 +362,23 @@ def test_a_method_reading_what_nothing_can_serve_is_a_metapatch_error(tmp_path):
     with pytest.raises(metapatch.MetapatchError, match=r"WithNewline\.get_features\(\) \(the model\) reads newline"):
         with torch.no_grad():
             model.get_features(torch.randn(2, 1, 3))
+
+
+@pytest.mark.parametrize("getter", ["get_newline", "newline_row"])
+def test_a_method_returning_its_offloaded_tensor_returns_what_takes_a_write(tmp_path, getter):
+    """A getter of the module's own tensor (or of a view of it): in memory a write through the result writes the
+    model. Held loaded for the call, the result would be the loaded copy, put back on meta after it: a write through it
+    would vanish. The placeholder is returned instead, as without the binding, and takes the write."""
+    torch.manual_seed(0)
+    reference = WithNewline().eval()
+    model = WithNewline().eval()
+    model.load_state_dict(reference.state_dict())
+    accelerate.disk_offload(model, str(tmp_path / "offload"), execution_device="cpu")
+    x = torch.randn(2, 1, 3)
+    with torch.no_grad():
+        for m in (reference, model):
+            if getter == "get_newline":
+                m.get_newline()[1] = 5.0
+            else:
+                m.get_newline()[1:2].fill_(5.0)
+        assert torch.equal(model(x), reference(x))
