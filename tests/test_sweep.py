@@ -164,6 +164,21 @@ def test_shrunk_configs_that_used_to_fail_in_memory_build_and_run(class_name, mo
     assert logits.shape[:2] == (1, 8) and torch.isfinite(logits).all()
 
 
+def _assert_builds_small_and_generates(class_name, config):
+    """The tiny model of ``config`` is under the sweep's size limit and generates 3 greedy tokens in memory."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    model = getattr(transformers, class_name)(config).eval()
+    assert sum(p.numel() for p in model.parameters()) < 5_000_000
+    ids = torch.randint(4, 200, (1, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, min_new_tokens=3,
+                             do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 11)
+
+
 @pytest.mark.parametrize("class_name", [
     "DeepseekV2ForCausalLM",  # num_experts_per_tok None by default
     "MinistralForCausalLM", "HunYuanDenseV1ForCausalLM", "NemotronForCausalLM",  # head_dim / key-value heads None
@@ -177,7 +192,7 @@ def test_default_configs_that_leave_sizes_unset_or_tied_shrink_to_models_that_ge
     model needs unset (None), or whose sizes are tied (a Mamba-2 mixer's), or a size attribute the rules did not
     know. Each now builds under the size limit and generates in memory."""
     transformers = pytest.importorskip("transformers")
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     from transformers import CONFIG_MAPPING
 
     from metapatch.sweep import shrink
@@ -185,14 +200,7 @@ def test_default_configs_that_leave_sizes_unset_or_tied_shrink_to_models_that_ge
     if not hasattr(transformers, class_name):
         pytest.skip(f"transformers {transformers.__version__} has no {class_name}")
     config = shrink.tiny_config(CONFIG_MAPPING[dict(sweep.architectures())[class_name]])
-    torch.manual_seed(0)
-    model = getattr(transformers, class_name)(config).eval()
-    assert sum(p.numel() for p in model.parameters()) < 5_000_000
-    ids = torch.randint(4, 200, (1, 8), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, min_new_tokens=3,
-                             do_sample=False, pad_token_id=0)
-    assert out.shape == (1, 11)
+    _assert_builds_small_and_generates(class_name, config)
 
 
 def test_a_shrinking_rule_reruns_only_the_architectures_whose_config_it_changes(monkeypatch):
@@ -237,7 +245,7 @@ def test_hybrids_keep_one_layer_of_each_kind_and_generate(class_name):
     Qwen3-Next, Qwen3.5 (also built from its composite config before: no ``vocab_size``), Jamba and
     Bailing-Hybrid were listed as not building. Each now keeps one layer of each kind and generates."""
     transformers = pytest.importorskip("transformers")
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     from transformers import CONFIG_MAPPING
 
     from metapatch.sweep import shrink
@@ -250,14 +258,7 @@ def test_hybrids_keep_one_layer_of_each_kind_and_generate(class_name):
     kinds = getattr(config, "layer_types", None) or ()
     if default_kinds:  # (Jamba on 4.57 derives its kinds from attn_layer_period/offset alone)
         assert len(set(kinds)) == len(default_kinds) > 1, (kinds, default_kinds)
-    torch.manual_seed(0)
-    model = getattr(transformers, class_name)(config).eval()
-    assert sum(p.numel() for p in model.parameters()) < 5_000_000
-    ids = torch.randint(4, 200, (1, 8), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, min_new_tokens=3,
-                             do_sample=False, pad_token_id=0)
-    assert out.shape == (1, 11)
+    _assert_builds_small_and_generates(class_name, config)
 
 
 def test_each_class_is_swept_with_its_own_config_class():
