@@ -361,53 +361,30 @@ def held_write_through_data(workdir: Path) -> Dict[str, Any]:
     return {"max_abs_diff": 0.0}
 
 
-def _tensors(value: Any) -> list:
-    """The tensors in ``value`` (a tensor, a list or tuple of them, a ModelOutput), in order."""
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, dict):  # ModelOutput
-        value = list(value.values())
-    if isinstance(value, (list, tuple)):
-        return [t for item in value for t in _tensors(item)]
-    return []
-
-
 def llava_next_image_features(workdir: Path) -> Dict[str, Any]:
     """LLaVA-NeXT with its base model's own parameter ``image_newline`` on disk (the rest on the execution device).
     ``get_image_features`` reads it (through ``pack_image_features``) outside the base model's forward, the only
     place its hook loads it: called by the user, and by ``generate()`` before the first forward (transformers
     >= 5.2x, ``_prepare_multimodal_encoder_kwargs_for_generation``)."""
     import torch
-    from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration
 
-    image_token = 250
-    text = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, image_size=32, patch_size=8, projection_dim=32)
-    config = LlavaNextConfig(vision_config=vision, text_config=text, image_token_index=image_token,
-                             image_grid_pinpoints=[[32, 32], [32, 64], [64, 32], [64, 64]])
+    from ._vision_language import llava_next_inputs, tensors, tiny_llava_next
+
+    model_class, config = tiny_llava_next()
     torch.manual_seed(0)
-    reference = LlavaNextForConditionalGeneration(config).eval()
+    reference = model_class(config).eval()
     reference.save_pretrained(workdir / "ckpt")
     device_map = {"model.image_newline": "disk", "model.vision_tower": "cpu", "model.multi_modal_projector": "cpu",
                   "model.language_model": "cpu", "lm_head": "cpu"}
-    loaded = LlavaNextForConditionalGeneration.from_pretrained(workdir / "ckpt", device_map=_in_memory(device_map),
-                                                               offload_folder=str(workdir / "offload")).eval()
+    loaded = model_class.from_pretrained(workdir / "ckpt", device_map=_in_memory(device_map),
+                                         offload_folder=str(workdir / "offload")).eval()
     reference = to_device(reference)
     if not loaded.model.image_newline.is_meta:
         raise AssertionError("the device map was meant to put model.image_newline on disk")
-    generator = torch.Generator().manual_seed(1)
-    ids = torch.tensor([[1] + [image_token] * 36 + [5, 6, 7, 8]])  # 36: the features of one 32x32 image here
-    pixels = to_device(torch.randn(1, 2, 3, 32, 32, generator=generator))
-    image_sizes = to_device(torch.tensor([[32, 32]]))
-    inputs = dict(input_ids=to_device(ids), attention_mask=to_device(torch.ones_like(ids)), pixel_values=pixels,
-                  image_sizes=image_sizes)
+    inputs = {name: to_device(value) for name, value in llava_next_inputs().items()}
+    images = dict(pixel_values=inputs["pixel_values"], image_sizes=inputs["image_sizes"])
     with torch.no_grad():
-        got = _tensors(loaded.get_image_features(pixel_values=pixels, image_sizes=image_sizes))
-        expected = _tensors(reference.get_image_features(pixel_values=pixels, image_sizes=image_sizes))
+        got, expected = tensors(loaded.get_image_features(**images)), tensors(reference.get_image_features(**images))
         if not got or len(got) != len(expected) or not all(_equal(g, e) for g, e in zip(got, expected)):
             raise AssertionError("image features differ from the in-memory model's")
         tokens = loaded.generate(**inputs, max_new_tokens=_NEW_TOKENS, do_sample=False, pad_token_id=0)
