@@ -168,22 +168,28 @@ class _Reader:
         self.handles: List[Any] = []
 
     def pre(self, module: Any, args: Any) -> None:
-        stack = contextlib.ExitStack()
-        if any(offload_hooks(owner) for owner in self.owners):
-            stack.enter_context(materialised(*self.owners))
-        missing = _unloaded(self.reads)
-        if missing:
-            stack.close()
-            raise OffloadedReadError(
-                f"metapatch: {type(module).__name__} ({self.reader_name or 'the model'}) reads {', '.join(missing)}, "
-                f"which is on the meta device with no accelerate offload hook holding its value (read outside its "
-                f"module's forward, or a device map that split a module's parameters across devices). Put that "
-                f"whole module on one device in device_map, or load the model without offloading it.")
-        self.stacks.append(stack)
+        self.stacks.append(_hold(self.owners, self.reads, f"{type(module).__name__} ({self.reader_name or 'the model'})"))
 
     def post(self, module: Any, args: Any, output: Any) -> None:
         if self.stacks:
             self.stacks.pop().close()
+
+
+def _hold(owners: List[Any], reads: List[Tuple[str, Any, str]], reader: str) -> contextlib.ExitStack:
+    """An open stack holding ``owners`` loaded (close it to offload them again): what a forward reader and an entry
+    point run under. A read still on meta then (nothing can load it) raises OffloadedReadError naming ``reader``."""
+    stack = contextlib.ExitStack()
+    if any(offload_hooks(owner) for owner in owners):
+        stack.enter_context(materialised(*owners))
+    missing = _unloaded(reads)
+    if missing:
+        stack.close()
+        raise OffloadedReadError(
+            f"metapatch: {reader} reads {', '.join(missing)}, which is on the meta device with no accelerate offload "
+            f"hook holding its value (read outside its module's forward, or a device map that split a module's "
+            f"parameters across devices). Put that whole module on one device in device_map, or load the model "
+            f"without offloading it.")
+    return stack
 
 
 def _unloaded(reads: List[Tuple[str, Any, str]]) -> List[str]:
@@ -246,16 +252,7 @@ def _entry_point(name: str, function: Any) -> Any:
         owners, reads = record.methods.get(name, ([], [])) if record is not None else ([], [])
         if not _unloaded(reads) and not any(_needs_loading(owner) for owner in owners):
             return function(self, *args, **kwargs)  # inside a forward (its hooks loaded them), or nothing offloaded
-        with contextlib.ExitStack() as stack:
-            if any(offload_hooks(owner) for owner in owners):
-                stack.enter_context(materialised(*owners))
-            missing = _unloaded(reads)
-            if missing:
-                raise OffloadedReadError(
-                    f"metapatch: {type(self).__name__}.{name}() ({record.module_name or 'the model'}) reads "
-                    f"{', '.join(missing)}, which is on the meta device with no accelerate offload hook holding its "
-                    f"value. Put that whole module on one device in device_map, or load the model without "
-                    f"offloading it.")
+        with _hold(owners, reads, f"{type(self).__name__}.{name}() ({record.module_name or 'the model'})"):
             result = function(self, *args, **kwargs)
             aliased = bool(_storages(result) & _storages(list(itertools.chain.from_iterable(
                 itertools.chain(owner.parameters(), owner.buffers()) for owner in owners))))

@@ -278,6 +278,10 @@ class WithNewline(torch.nn.Module):
     def get_newline(self):
         return self.newline
 
+    def scale_newline(self, factor):
+        self.newline.data.mul_(factor)
+        return self.newline.sum()
+
     def forward(self, x):
         # the entry point inside the forward, then the forward's own read again: still loaded after it
         return self.get_features(x).sum(dim=1) + self.newline.sum()
@@ -382,3 +386,25 @@ def test_a_method_returning_its_offloaded_tensor_returns_what_takes_a_write(tmp_
             else:
                 m.get_newline()[1:2].fill_(5.0)
         assert torch.equal(model(x), reference(x))
+
+
+def test_a_write_by_a_bound_method_is_kept_as_in_memory(tmp_path):
+    """A method that writes its module's own offloaded parameter outside any forward (through ``.data``): held loaded
+    for the call, the write is kept by the offload store, in memory (the offload folder keeps its bytes), and every
+    later call sees it, as in memory."""
+    import hashlib
+
+    torch.manual_seed(0)
+    reference = WithNewline().eval()
+    model = WithNewline().eval()
+    model.load_state_dict(reference.state_dict())
+    folder = tmp_path / "offload"
+    accelerate.disk_offload(model, str(folder), execution_device="cpu")
+    stored = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.rglob("*") if p.is_file()}
+    x = torch.randn(2, 1, 3)
+    with torch.no_grad():
+        assert torch.equal(model.scale_newline(3.0), reference.scale_newline(3.0))
+        assert torch.equal(model(x), reference(x))
+        assert torch.equal(model.get_features(x), reference.get_features(x))
+    assert model.newline.is_meta
+    assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.rglob("*") if p.is_file()} == stored
